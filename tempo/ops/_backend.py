@@ -1,0 +1,126 @@
+"""Which implementation of a Tempo op runs, and the input checks every op shares.
+
+Each op has two implementations with the same memory behaviour:
+  * "triton": Triton kernels. Used automatically for CUDA tensors. On the CPU they run only
+    under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported), which is
+    how CI tests the kernels without a GPU; it is slow, so it is never chosen automatically.
+  * "reference": plain PyTorch, any device, any float dtype (fp64 included, for gradcheck).
+
+Selection, strongest first: the ``use_backend(...)`` context manager, the ``TEMPO_BACKEND``
+environment variable ("auto", "triton", "reference"), then "auto".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+# dtypes the Triton kernels are written for; fp64 would silently lose precision in fp32 math.
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_local = threading.local()
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising at import
+        return False
+    return True
+
+
+TRITON_AVAILABLE = _triton_importable()
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run on the CPU through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_backend_name(name: str, where: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{where}={name!r} is not a Tempo backend; choose one of {BACKENDS}")
+    return name
+
+
+def requested_backend() -> str:
+    """The backend asked for: use_backend() if active, else $TEMPO_BACKEND, else 'auto'."""
+    override = getattr(_local, "backend", None)
+    if override is not None:
+        return override
+    return _check_backend_name(os.environ.get("TEMPO_BACKEND", "auto"), "TEMPO_BACKEND")
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force an implementation for the ops called inside the block (tests, benchmarks)."""
+    _check_backend_name(name, "backend")
+    previous = getattr(_local, "backend", None)
+    _local.backend = name
+    try:
+        yield
+    finally:
+        _local.backend = previous
+
+
+def triton_usable_for(t: torch.Tensor) -> bool:
+    if not TRITON_AVAILABLE:
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and triton_interpreting())
+
+
+def resolve_backend(t: torch.Tensor, op: str) -> str:
+    """Pick 'triton' or 'reference' for an op whose main input is ``t``.
+
+    Raises TypeError when Triton is forced on a dtype its kernels do not support, and
+    RuntimeError when Triton is forced where it cannot run.
+    """
+    wanted = requested_backend()
+    if wanted == "reference":
+        return "reference"
+    if wanted == "auto":
+        # fp64 stays on the reference path: the kernels compute in fp32.
+        return "triton" if (t.is_cuda and TRITON_AVAILABLE and t.dtype in TRITON_DTYPES) else "reference"
+    if not triton_usable_for(t):
+        raise RuntimeError(
+            f"{op}: backend 'triton' was requested but cannot run on device {t.device} "
+            f"(triton installed: {TRITON_AVAILABLE}; on CPU set TRITON_INTERPRET=1 before importing)"
+        )
+    if t.dtype not in TRITON_DTYPES:
+        raise TypeError(
+            f"{op}: the Triton kernels support float32, float16 and bfloat16, got {t.dtype}; "
+            f"use backend 'reference' for other dtypes"
+        )
+    return "triton"
+
+
+def check_float_tensor(t: object, arg: str, op: str) -> torch.Tensor:
+    """A clear TypeError naming the argument when ``t`` is not a floating-point tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument '{arg}' must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: argument '{arg}' must be a floating-point tensor, got {t.dtype}")
+    return t
+
+
+def check_probability(p: object, arg: str, op: str) -> float:
+    """Dropout probabilities live in [0, 1): p = 1 would drop everything and divide by zero."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"{op}: argument '{arg}' must be a float in [0, 1), got {type(p).__name__}")
+    if not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"{op}: argument '{arg}' must be in [0, 1), got {p}")
+    return float(p)
+
+
+def autocast_dtype_for(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype torch.autocast would run matmuls in on ``t``'s device, or None if autocast is off."""
+    device_type = t.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
