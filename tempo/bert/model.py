@@ -1,0 +1,423 @@
+"""Post-LN BERT as in Google's reference / NVIDIA DLE, with optional Tempo memory-saving layers.
+
+Module and parameter names follow Hugging Face's BertModel (embeddings.word_embeddings,
+encoder.layer.N.attention.self.query, ..., cls.predictions.transform.dense, qa_outputs) so HF and
+DLE checkpoints map onto this model 1:1 (heads models keep the backbone under `bert.`).
+
+Classes appear in data-flow order: embeddings -> attention -> layer -> encoder -> pooler ->
+BertModel -> heads -> BertForPreTraining / BertForQuestionAnswering.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from tempo.bert.config import BertConfig
+
+ATTENTION_CHOICES = ("eager", "tempo", "sdpa")
+
+
+@dataclass(frozen=True)
+class TempoOptions:
+    """Which Tempo layers replace the stock PyTorch ones.
+
+    gelu: InplaceGelu instead of nn.GELU; layernorm: InplaceLayerNorm instead of nn.LayerNorm
+    (everywhere: embeddings, every encoder layer, MLM transform); attention: "eager" (reference
+    softmax/dropout/matmul), "tempo" (Combined softmax-dropout-matmul) or "sdpa"
+    (torch scaled_dot_product_attention).
+    """
+
+    gelu: bool = False
+    layernorm: bool = False
+    attention: str = "eager"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"unknown attention implementation {self.attention!r}; "
+                             f"choose one of {ATTENTION_CHOICES}")
+
+    @classmethod
+    def original(cls, attention: str = "eager") -> "TempoOptions":
+        return cls(gelu=False, layernorm=False, attention=attention)
+
+    @classmethod
+    def full(cls, attention: str = "tempo") -> "TempoOptions":
+        return cls(gelu=True, layernorm=True, attention=attention)
+
+
+def _layer_norm(config: BertConfig, options: TempoOptions) -> nn.Module:
+    if options.layernorm:
+        from tempo.inplace_layernorm import InplaceLayerNorm  # lazy: optional Tempo kernel
+        return InplaceLayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+def _gelu(options: TempoOptions) -> nn.Module:
+    if options.gelu:
+        from tempo.inplace_gelu import InplaceGelu  # lazy: optional Tempo kernel
+        return InplaceGelu()
+    return nn.GELU()  # exact erf GELU, as Google/DLE "gelu"
+
+
+def _compute_dtype(reference: Tensor) -> torch.dtype:
+    """dtype the attention scores will have: the autocast dtype if autocast is on."""
+    device_type = reference.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return reference.dtype
+
+
+def additive_attention_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """[B, L] 1=token/0=pad -> additive [B, 1, 1, L] mask in `dtype` (0 keep, finfo.min drop).
+
+    A sample with no tokens at all gets an all-zero mask (uniform attention over padding) rather
+    than an all-min row: in fp16, score + finfo.min can round to -inf, and a row of -inf makes
+    softmax return NaN.
+    """
+    keep = attention_mask.bool()
+    keep = keep | ~keep.any(dim=-1, keepdim=True)
+    mask = torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device)
+    mask.masked_fill_(~keep, torch.finfo(dtype).min)
+    return mask[:, None, None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Embeddings
+# ---------------------------------------------------------------------------------------------
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions):
+        super().__init__()
+        # Padded rows are never targets; they only round the GEMM shape (see padded_vocab_size).
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = _layer_norm(config, options)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        seq_len = input_ids.shape[1]
+        if seq_len > self.position_embeddings.num_embeddings:
+            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
+                             f"{self.position_embeddings.num_embeddings}")
+        positions = torch.arange(seq_len, device=input_ids.device)
+        x = (self.word_embeddings(input_ids)
+             + self.position_embeddings(positions)
+             + self.token_type_embeddings(token_type_ids))
+        return self.dropout(self.LayerNorm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+class BertSelfAttention(nn.Module):
+    """Multi-head self-attention; the softmax/dropout/matmul core is chosen by options.attention."""
+
+    def __init__(self, config: BertConfig, options: TempoOptions):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_size = config.head_size
+        self.scale = 1.0 / math.sqrt(self.head_size)
+        self.attention_impl = options.attention
+        self.dropout_p = config.attention_probs_dropout_prob
+
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+        if options.attention == "eager":
+            self.dropout = nn.Dropout(self.dropout_p)
+        elif options.attention == "tempo":
+            from tempo.combined import Combined  # lazy: optional Tempo kernel
+            self.combined = Combined(dim=-1, p=self.dropout_p)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        b, l, _ = x.shape
+        return x.view(b, l, self.num_heads, self.head_size).transpose(1, 2)  # [B, N, L, D]
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        q = self._split_heads(self.query(hidden))
+        k = self._split_heads(self.key(hidden))
+        v = self._split_heads(self.value(hidden))
+
+        if self.attention_impl == "sdpa":
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask.to(q.dtype),
+                dropout_p=self.dropout_p if self.training else 0.0)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale + mask
+            if self.attention_impl == "tempo":
+                context = self.combined(scores, v)
+            else:
+                probs = self.dropout(torch.softmax(scores, dim=-1))
+                context = torch.matmul(probs, v)
+
+        b, _, l, _ = context.shape
+        return context.transpose(1, 2).reshape(b, l, self.num_heads * self.head_size)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = _layer_norm(config, options)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions):
+        super().__init__()
+        self.self = BertSelfAttention(config, options)
+        self.output = BertSelfOutput(config, options)
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        return self.output(self.self(hidden, mask), hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Feed-forward, layer, encoder
+# ---------------------------------------------------------------------------------------------
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = _gelu(options)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.act(self.dense(hidden))
+
+
+class BertOutput(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions):
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = _layer_norm(config, options)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions):
+        super().__init__()
+        self.attention = BertAttention(config, options)
+        self.intermediate = BertIntermediate(config, options)
+        self.output = BertOutput(config, options)
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        attended = self.attention(hidden, mask)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions,
+                 checkpoint_activations: bool = False):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, options)
+                                   for _ in range(config.num_hidden_layers))
+        self.checkpoint_activations = checkpoint_activations
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        use_checkpoint = (self.checkpoint_activations and self.training
+                          and torch.is_grad_enabled())
+        for layer in self.layer:
+            if use_checkpoint:
+                # Non-reentrant: works with in-place Tempo ops, kwargs, and restores the RNG
+                # state so dropout masks match on recompute.
+                hidden = checkpoint(layer, hidden, mask, use_reentrant=False)
+            else:
+                hidden = layer(hidden, mask)
+        return hidden
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.activation(self.dense(hidden[:, 0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backbone
+# ---------------------------------------------------------------------------------------------
+class BertModelOutput(NamedTuple):
+    last_hidden_state: Tensor       # [B, L, H]
+    pooler_output: Optional[Tensor]  # [B, H], None without a pooler
+
+
+def init_bert_weights(module: nn.Module, initializer_range: float) -> None:
+    """Google/DLE init: N(0, initializer_range) weights, zero biases, LayerNorm weight 1.
+
+    Name-based so it covers nn.LayerNorm and InplaceLayerNorm alike.
+    """
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("LayerNorm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(mean=0.0, std=initializer_range)
+
+
+class BertModel(nn.Module):
+    def __init__(self, config: BertConfig, options: Optional[TempoOptions] = None,
+                 checkpoint_activations: bool = False, add_pooling_layer: bool = True):
+        super().__init__()
+        self.config = config
+        self.options = options if options is not None else TempoOptions()
+        self.embeddings = BertEmbeddings(config, self.options)
+        self.encoder = BertEncoder(config, self.options, checkpoint_activations)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        init_bert_weights(self, config.initializer_range)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None) -> BertModelOutput:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = self.embeddings(input_ids, token_type_ids)
+        mask = additive_attention_mask(attention_mask, _compute_dtype(hidden))
+        hidden = self.encoder(hidden, mask)
+        pooled = self.pooler(hidden) if self.pooler is not None else None
+        return BertModelOutput(hidden, pooled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-training heads
+# ---------------------------------------------------------------------------------------------
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.transform_act_fn = _gelu(options)
+        self.LayerNorm = _layer_norm(config, options)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.LayerNorm(self.transform_act_fn(self.dense(hidden)))
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions, word_embedding_weight: Tensor):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config, options)
+        self.decoder = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.decoder.weight = word_embedding_weight  # tied, as Google/DLE/HF
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.decoder(self.transform(hidden)) + self.bias
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig, options: TempoOptions, word_embedding_weight: Tensor):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config, options, word_embedding_weight)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, sequence_output: Tensor, pooled_output: Tensor) -> tuple[Tensor, Tensor]:
+        return self.predictions(sequence_output), self.seq_relationship(pooled_output)
+
+
+def _masked_mean_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean CE over labels >= 0 (negative = no prediction); 0, not NaN, when there are none."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    labels = labels.reshape(-1)
+    labels = labels.masked_fill(labels < 0, -1)  # accept HF's -100 as well as DLE's -1
+    total = F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum")
+    count = (labels >= 0).sum().clamp_min(1)
+    return total / count
+
+
+class PreTrainingOutput(NamedTuple):
+    loss: Optional[Tensor]                # mlm_loss + nsp_loss (whichever are given)
+    mlm_loss: Optional[Tensor]
+    nsp_loss: Optional[Tensor]
+    prediction_scores: Tensor             # [B, P, padded_vocab] (or [B, L, padded_vocab])
+    seq_relationship_score: Tensor        # [B, 2]
+
+
+class BertForPreTraining(nn.Module):
+    def __init__(self, config: BertConfig, options: Optional[TempoOptions] = None,
+                 checkpoint_activations: bool = False):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config, options, checkpoint_activations)
+        self.cls = BertPreTrainingHeads(config, self.bert.options,
+                                        self.bert.embeddings.word_embeddings.weight)
+        init_bert_weights(self.cls, config.initializer_range)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None,
+                masked_lm_positions: Optional[Tensor] = None,
+                masked_lm_labels: Optional[Tensor] = None,
+                next_sentence_labels: Optional[Tensor] = None) -> PreTrainingOutput:
+        sequence_output, pooled_output = self.bert(input_ids, token_type_ids, attention_mask)
+        if masked_lm_positions is not None:
+            # Only the ~15% masked positions go through the MLM transform and the big decoder.
+            index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, sequence_output.shape[-1])
+            sequence_output = torch.gather(sequence_output, 1, index)  # [B, P, H]
+        prediction_scores, seq_relationship_score = self.cls(sequence_output, pooled_output)
+
+        mlm_loss = nsp_loss = loss = None
+        if masked_lm_labels is not None:
+            mlm_loss = _masked_mean_cross_entropy(prediction_scores, masked_lm_labels)
+            loss = mlm_loss
+        if next_sentence_labels is not None:
+            nsp_loss = _masked_mean_cross_entropy(seq_relationship_score, next_sentence_labels)
+            loss = nsp_loss if loss is None else loss + nsp_loss
+        return PreTrainingOutput(loss, mlm_loss, nsp_loss, prediction_scores,
+                                 seq_relationship_score)
+
+
+# ---------------------------------------------------------------------------------------------
+# SQuAD head
+# ---------------------------------------------------------------------------------------------
+class QuestionAnsweringOutput(NamedTuple):
+    loss: Optional[Tensor]
+    start_logits: Tensor  # [B, L]
+    end_logits: Tensor    # [B, L]
+
+
+class BertForQuestionAnswering(nn.Module):
+    def __init__(self, config: BertConfig, options: Optional[TempoOptions] = None,
+                 checkpoint_activations: bool = False):
+        super().__init__()
+        self.config = config
+        # No pooler: it would be an unused parameter set (and DDP complains about those).
+        self.bert = BertModel(config, options, checkpoint_activations, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        init_bert_weights(self.qa_outputs, config.initializer_range)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None,
+                start_positions: Optional[Tensor] = None,
+                end_positions: Optional[Tensor] = None) -> QuestionAnsweringOutput:
+        sequence_output = self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state
+        logits = self.qa_outputs(sequence_output)
+        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
+
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            # Answers outside the (truncated) window are clamped to L and ignored, as HF/DLE.
+            ignored = start_logits.shape[1]
+            start = start_positions.reshape(-1).clamp(0, ignored)
+            end = end_positions.reshape(-1).clamp(0, ignored)
+            start_loss = F.cross_entropy(start_logits.float(), start, ignore_index=ignored)
+            end_loss = F.cross_entropy(end_logits.float(), end, ignore_index=ignored)
+            loss = (start_loss + end_loss) / 2
+        return QuestionAnsweringOutput(loss, start_logits, end_logits)
