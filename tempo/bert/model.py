@@ -320,7 +320,9 @@ class BertLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.decoder(self.transform(hidden)) + self.bias
+        # One fused linear so autocast casts the bias too (a separate `+ bias` in fp32 would
+        # promote the [*, vocab] logits to fp32 and double their memory).
+        return F.linear(self.transform(hidden), self.decoder.weight, self.bias)
 
 
 class BertPreTrainingHeads(nn.Module):
