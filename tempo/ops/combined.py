@@ -1,0 +1,411 @@
+"""Combined softmax -> dropout -> matmul: ``matmul(dropout(softmax(x, dim), p), v)``.
+
+The attention core of a Transformer. Eager PyTorch keeps, for backward, the softmax output,
+the dropout mask (1 byte per element) and the dropout output (the matmul's input). This op
+keeps only the softmax output ``s`` and ``v``, plus a 0-d int64 seed tensor: the dropout mask
+is regenerated from the seed in backward, and the dropout output is recomputed from ``s`` and
+the mask when the matmul's gradient needs it.
+
+Semantics
+  * Softmax along ``dim`` (computed in fp32; fp64 on the reference path for fp64 inputs), then
+    ``torch.matmul(probs, v)`` exactly as written, for any ``dim``: with ``dim=-1`` (attention)
+    the softmax dimension is the one the matmul contracts with ``v``'s second-to-last dim.
+    ``x`` and ``v`` need at least 2 dims; their batch dims broadcast as in ``torch.matmul``.
+  * Dropout drops each probability with probability ``p`` and scales the kept ones by
+    1 / (1 - p), as ``torch.nn.functional.dropout``. Not training, or ``p == 0``: no dropout.
+  * The mask is a pure function of (seed, shape of x with ``dim`` moved last, p, backend):
+    the Triton path uses Triton's philox (``tl.rand(seed, flat index)``), the reference path a
+    ``torch.Generator`` seeded with ``seed.item()``. The two paths draw different masks for
+    the same seed; ``dropout_keep_mask`` regenerates exactly the mask either one uses.
+  * Dtypes: ``s`` is stored in ``x``'s dtype; the probabilities are cast to ``v``'s dtype for
+    the matmul, so the output has ``v``'s dtype. Under autocast (custom ops are not on
+    autocast's lists, so the module decides) fp32/fp16/bf16 ``x`` and ``v`` behave like
+    ``torch.matmul(dropout(softmax(x)), v)`` under autocast: softmax in fp32, then ``s`` stored
+    and the matmul run in the autocast dtype (``v`` is cast to it).
+  * Masks: additive ``torch.finfo(dtype).min`` masks behave as in torch (a fully masked row
+    becomes uniform). A row that is entirely ``-inf`` gives probabilities 0 (torch gives NaN),
+    so its output row and its gradients are 0. NaN in a row still gives a NaN row.
+  * Inputs are made contiguous (with ``dim`` moved last) at the kernel boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from tempo.ops._backend import (
+    TRITON_DTYPES,
+    autocast_dtype_for,
+    check_float_tensor,
+    check_probability,
+    resolve_backend,
+)
+
+try:  # CPU-only installs without triton still import this module (reference path only).
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+_OP = "combined_softmax_dropout_matmul"
+# One program handles one whole row; Triton caps a block at 2**20 elements, and rows this long
+# would spill registers anyway. Attention rows are far shorter.
+MAX_TRITON_ROW = 65536
+
+
+# ----------------------------------------------------------------------------------------
+# Triton kernels: one program per row of the (dim-moved-last, contiguous) tensor.
+# ----------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _keep_from_seed(seed_ptr, offsets, p):
+        # The flat element index is the philox counter, so any kernel regenerates the same mask.
+        seed = tl.load(seed_ptr)
+        return tl.rand(seed, offsets) >= p
+
+    @triton.jit
+    def _softmax_dropout_fwd_kernel(x_ptr, s_ptr, d_ptr, seed_ptr, n_cols, p, scale,
+                                    HAS_DROPOUT: tl.constexpr, WRITE_D: tl.constexpr,
+                                    BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        offsets = row * n_cols + cols
+        x = tl.load(x_ptr + offsets, mask=in_row, other=-float("inf")).to(tl.float32)
+        row_max = tl.max(x, axis=0)
+        # An all -inf row: shift by 0 so exp gives 0 (not NaN), and return zeros below.
+        row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
+        e = tl.exp(x - row_max)
+        total = tl.sum(e, axis=0)
+        probs = e / tl.where(total == 0.0, 1.0, total)
+        tl.store(s_ptr + offsets, probs.to(s_ptr.dtype.element_ty), mask=in_row)
+        if HAS_DROPOUT:
+            keep = _keep_from_seed(seed_ptr, offsets, p)
+            probs = tl.where(keep, probs * scale, 0.0)
+        if WRITE_D:
+            tl.store(d_ptr + offsets, probs.to(d_ptr.dtype.element_ty), mask=in_row)
+
+    @triton.jit
+    def _dropout_from_seed_kernel(s_ptr, out_ptr, seed_ptr, n_cols, p, scale,
+                                  WRITE_MASK: tl.constexpr, BLOCK: tl.constexpr):
+        # WRITE_MASK: out = keep mask (uint8); else out = s * keep * scale (the dropout output).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        offsets = row * n_cols + cols
+        keep = _keep_from_seed(seed_ptr, offsets, p)
+        if WRITE_MASK:
+            tl.store(out_ptr + offsets, keep.to(tl.uint8), mask=in_row)
+        else:
+            s = tl.load(s_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offsets, tl.where(keep, s * scale, 0.0).to(out_ptr.dtype.element_ty),
+                     mask=in_row)
+
+    @triton.jit
+    def _softmax_dropout_bwd_kernel(dd_ptr, s_ptr, dx_ptr, seed_ptr, n_cols, p, scale,
+                                    HAS_DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
+        # dS = dD * mask * scale; dx = s * (dS - sum(dS * s)).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        offsets = row * n_cols + cols
+        ds = tl.load(dd_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep = _keep_from_seed(seed_ptr, offsets, p)
+            ds = tl.where(keep, ds * scale, 0.0)
+        s = tl.load(s_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
+        dot = tl.sum(ds * s, axis=0)
+        tl.store(dx_ptr + offsets, (s * (ds - dot)).to(dx_ptr.dtype.element_ty), mask=in_row)
+
+
+# ----------------------------------------------------------------------------------------
+# Host launchers (all tensors contiguous, softmax dim last).
+# ----------------------------------------------------------------------------------------
+def _launch_config(n_cols: int) -> tuple[int, int]:
+    if n_cols > MAX_TRITON_ROW:
+        raise ValueError(
+            f"{_OP}: the Triton kernels handle softmax rows of at most {MAX_TRITON_ROW} elements, "
+            f"got {n_cols}; use backend 'reference' (tempo.ops.use_backend('reference'))"
+        )
+    block = triton.next_power_of_2(max(n_cols, 1))
+    num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    return block, num_warps
+
+
+def _rows(t: Tensor, n_cols: int) -> int:
+    return t.numel() // n_cols if n_cols else 0
+
+
+def _triton_forward(xm: Tensor, s_dtype: torch.dtype, d_dtype: torch.dtype, seed: Tensor,
+                    p: float, dropout: bool) -> tuple[Tensor, Tensor]:
+    """Softmax (+ dropout) of the rows of contiguous ``xm``: returns (s, probabilities for the matmul)."""
+    n_cols = xm.shape[-1]
+    s = torch.empty(xm.shape, dtype=s_dtype, device=xm.device)
+    write_d = dropout or d_dtype != s_dtype
+    d = torch.empty(xm.shape, dtype=d_dtype, device=xm.device) if write_d else s
+    rows = _rows(xm, n_cols)
+    if rows:
+        block, num_warps = _launch_config(n_cols)
+        _softmax_dropout_fwd_kernel[(rows,)](
+            xm, s, d, seed, n_cols, p, 1.0 / (1.0 - p),
+            HAS_DROPOUT=dropout, WRITE_D=write_d, BLOCK=block, num_warps=num_warps)
+    return s, d
+
+
+def _triton_dropout_from_seed(s: Tensor, out_dtype: torch.dtype, seed: Tensor, p: float,
+                              write_mask: bool) -> Tensor:
+    n_cols = s.shape[-1]
+    out = torch.empty(s.shape, dtype=torch.uint8 if write_mask else out_dtype, device=s.device)
+    rows = _rows(s, n_cols)
+    if rows:
+        block, num_warps = _launch_config(n_cols)
+        _dropout_from_seed_kernel[(rows,)](
+            s, out, seed, n_cols, p, 1.0 / (1.0 - p),
+            WRITE_MASK=write_mask, BLOCK=block, num_warps=num_warps)
+    return out.view(torch.bool) if write_mask else out
+
+
+def _triton_softmax_dropout_backward(dd: Tensor, s: Tensor, x_dtype: torch.dtype, seed: Tensor,
+                                     p: float, dropout: bool) -> Tensor:
+    n_cols = s.shape[-1]
+    dx = torch.empty(s.shape, dtype=x_dtype, device=s.device)
+    rows = _rows(s, n_cols)
+    if rows:
+        block, num_warps = _launch_config(n_cols)
+        _softmax_dropout_bwd_kernel[(rows,)](
+            dd, s, dx, seed, n_cols, p, 1.0 / (1.0 - p),
+            HAS_DROPOUT=dropout, BLOCK=block, num_warps=num_warps)
+    return dx
+
+
+# ----------------------------------------------------------------------------------------
+# Reference implementation (PyTorch; any device, fp64 included).
+# ----------------------------------------------------------------------------------------
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _reference_keep_mask(seed: Tensor, shape: tuple[int, ...], p: float, device: torch.device) -> Tensor:
+    # Host sync on seed.item(): acceptable, this path is the CPU / fallback one.
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed.item()))
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32) >= p
+
+
+def _reference_softmax(xm: Tensor) -> Tensor:
+    probs = torch.softmax(xm.to(_compute_dtype(xm.dtype)), dim=-1)
+    fully_masked = (xm == float("-inf")).all(dim=-1, keepdim=True)
+    return probs.masked_fill(fully_masked, 0.0)
+
+
+def dropout_keep_mask(seed: Tensor, shape, p: float, device, backend: str, dim: int = -1) -> Tensor:
+    """The bool keep-mask (True = kept) ``backend`` draws for a tensor of ``shape`` with ``seed``.
+
+    ``shape`` is the shape of ``x`` and ``dim`` the softmax dim: the mask is drawn over ``x``
+    with ``dim`` moved last (the kernels' layout) and returned in ``x``'s layout. ``backend`` is
+    "triton" or "reference" (the resolved path, not "auto").
+    """
+    shape = tuple(int(n) for n in shape)
+    device = torch.device(device)
+    dim = _normalize_dim(dim, len(shape))
+    moved = shape[:dim] + shape[dim + 1:] + (shape[dim],)
+    seed = seed.to(device=device, dtype=torch.int64).reshape(())
+    if backend == "reference":
+        keep = _reference_keep_mask(seed, moved, p, device)
+    elif backend == "triton":
+        keep = _triton_dropout_from_seed(torch.empty(moved, dtype=torch.float32, device=device),
+                                         torch.uint8, seed, p, write_mask=True)
+    else:
+        raise ValueError(f"dropout_keep_mask: backend must be 'triton' or 'reference', got {backend!r}")
+    return keep.movedim(-1, dim)
+
+
+def _broadcast_matmul_shape(x_shape, v_shape) -> list[int]:
+    batch = torch.broadcast_shapes(tuple(x_shape[:-2]), tuple(v_shape[:-2]))
+    return list(batch) + [x_shape[-2], v_shape[-1]]
+
+
+# ----------------------------------------------------------------------------------------
+# Custom ops: forward returns (out, s) with s in the kernel layout (dim moved last,
+# contiguous) so setup_context can save it; s is not differentiable.
+# ----------------------------------------------------------------------------------------
+@torch.library.custom_op("tempo::combined_softmax_dropout_matmul", mutates_args=())
+def _combined_fwd_op(x: Tensor, v: Tensor, seed: Tensor, p: float, dim: int, training: bool,
+                     s_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    dropout = training and p > 0.0
+    xm = x.movedim(dim, -1).contiguous()
+    with torch.autocast(x.device.type, enabled=False):
+        if resolve_backend(x, _OP) == "triton":
+            s, d = _triton_forward(xm, s_dtype, v.dtype, seed, p, dropout)
+        else:
+            probs = _reference_softmax(xm)
+            s = probs.to(s_dtype)
+            if dropout:
+                keep = _reference_keep_mask(seed, tuple(xm.shape), p, x.device)
+                probs = probs * keep * (1.0 / (1.0 - p))
+            d = probs.to(v.dtype)
+        # d is a temporary: freed when this returns; only s is kept.
+        out = torch.matmul(d.movedim(-1, dim), v).contiguous()
+    return out, s
+
+
+@_combined_fwd_op.register_fake
+def _(x, v, seed, p, dim, training, s_dtype):
+    out = v.new_empty(_broadcast_matmul_shape(x.shape, v.shape))
+    s = x.movedim(dim, -1).new_empty(x.movedim(dim, -1).shape, dtype=s_dtype)
+    return out, s
+
+
+@torch.library.custom_op("tempo::combined_softmax_dropout_matmul_backward", mutates_args=())
+def _combined_bwd_op(grad_out: Tensor, s: Tensor, v: Tensor, seed: Tensor, p: float, dim: int,
+                     training: bool, x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    dropout = training and p > 0.0
+    x_shape = s.movedim(-1, dim).shape
+    g = grad_out.to(v.dtype)
+    with torch.autocast(s.device.type, enabled=False):
+        use_triton = resolve_backend(s, _OP) == "triton"
+        keep = None
+        if use_triton:
+            d = _triton_dropout_from_seed(s, v.dtype, seed, p, write_mask=False) if dropout else s.to(v.dtype)
+        else:
+            if dropout:
+                keep = _reference_keep_mask(seed, tuple(s.shape), p, s.device)
+                d = (s.to(_compute_dtype(s.dtype)) * keep * (1.0 / (1.0 - p))).to(v.dtype)
+            else:
+                d = s.to(v.dtype)
+        # dv = D^T @ g, with D recomputed transiently.
+        dv = torch.matmul(d.movedim(-1, dim).transpose(-1, -2), g).sum_to_size(v.shape).contiguous()
+        del d
+        # dD = g @ v^T, reduced over the batch dims x was broadcast along (the mask is the same
+        # for every broadcast copy, so reducing before masking is exact).
+        dd = torch.matmul(g, v.transpose(-1, -2)).sum_to_size(x_shape)
+        ddm = dd.movedim(dim, -1).contiguous()
+        del dd
+        if use_triton:
+            dxm = _triton_softmax_dropout_backward(ddm, s, x_dtype, seed, p, dropout)
+        else:
+            cdt = _compute_dtype(s.dtype)
+            ds = ddm.to(cdt)
+            if dropout:
+                ds = ds * keep * (1.0 / (1.0 - p))
+            sc = s.to(cdt)
+            dxm = (sc * (ds - (ds * sc).sum(dim=-1, keepdim=True))).to(x_dtype)
+    return dxm.movedim(-1, dim), dv
+
+
+@_combined_bwd_op.register_fake
+def _(grad_out, s, v, seed, p, dim, training, x_dtype):
+    dx = s.new_empty(s.shape, dtype=x_dtype).movedim(-1, dim)
+    return dx, v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, v, seed, p, dim, training, s_dtype = inputs
+    _, s = output
+    ctx.mark_non_differentiable(s)
+    ctx.save_for_backward(s, v, seed)
+    ctx.p, ctx.dim, ctx.training, ctx.x_dtype = p, dim, training, x.dtype
+
+
+def _backward(ctx, grad_out, grad_s):
+    s, v, seed = ctx.saved_tensors
+    dx, dv = _combined_bwd_op(grad_out, s, v, seed, ctx.p, ctx.dim, ctx.training, ctx.x_dtype)
+    return dx, dv, None, None, None, None, None
+
+
+_combined_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# Public functional and module.
+# ----------------------------------------------------------------------------------------
+def _normalize_dim(dim: object, rank: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{_OP}: argument 'dim' must be an int, got {type(dim).__name__}")
+    if not -rank <= dim < rank:
+        raise ValueError(f"{_OP}: argument 'dim'={dim} is out of range for a tensor of rank {rank} "
+                         f"(expected -{rank} <= dim < {rank})")
+    return dim % rank
+
+
+def _check_inputs(x: Tensor, v: Tensor) -> None:
+    check_float_tensor(x, "x", _OP)
+    check_float_tensor(v, "v", _OP)
+    if x.dim() < 2 or v.dim() < 2:
+        raise ValueError(f"{_OP}: arguments 'x' and 'v' need at least 2 dims for the matmul, "
+                         f"got x of shape {tuple(x.shape)} and v of shape {tuple(v.shape)}")
+    if x.device != v.device:
+        raise ValueError(f"{_OP}: arguments 'x' and 'v' must be on the same device, got {x.device} and {v.device}")
+    if x.shape[-1] != v.shape[-2]:
+        raise ValueError(f"{_OP}: shape mismatch: x's last dim ({x.shape[-1]}) must equal v's "
+                         f"second-to-last dim ({v.shape[-2]}); x {tuple(x.shape)}, v {tuple(v.shape)}")
+    try:
+        torch.broadcast_shapes(tuple(x.shape[:-2]), tuple(v.shape[:-2]))
+    except RuntimeError:
+        raise ValueError(f"{_OP}: the batch dims of x {tuple(x.shape)} and v {tuple(v.shape)} "
+                         f"do not broadcast") from None
+
+
+def draw_seed(device: torch.device | str) -> Tensor:
+    """A 0-d int64 seed from torch's RNG on ``device``, without a host sync."""
+    return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
+
+
+def combined_softmax_dropout_matmul(x: Tensor, v: Tensor, dim: int = -1, p: float = 0.1,
+                                    training: bool = True, seed: Optional[Tensor] = None) -> Tensor:
+    """``torch.matmul(dropout(softmax(x, dim), p, training), v)``, keeping only softmax(x) and v.
+
+    ``seed`` (0-d integer tensor) fixes the dropout mask; by default one is drawn from torch's
+    RNG on ``x``'s device, so torch.manual_seed and torch.utils.checkpoint's RNG restore make
+    the mask reproducible. See the module docstring for dtypes and masking.
+    """
+    _check_inputs(x, v)
+    p = check_probability(p, "p", _OP)
+    dim = _normalize_dim(dim, x.dim())
+    training = bool(training)
+    dropout = training and p > 0.0
+    if seed is None:
+        seed = draw_seed(x.device) if dropout else torch.zeros((), dtype=torch.int64, device=x.device)
+    else:
+        if not isinstance(seed, Tensor) or seed.is_floating_point() or seed.is_complex() or seed.numel() != 1:
+            raise TypeError(f"{_OP}: argument 'seed' must be a one-element integer tensor")
+        seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
+
+    s_dtype = x.dtype
+    autocast_dtype = autocast_dtype_for(x)
+    if autocast_dtype is not None and x.dtype in TRITON_DTYPES:
+        # What torch.matmul under autocast does: softmax in fp32, matmul in the autocast dtype.
+        s_dtype = autocast_dtype
+        if v.dtype in TRITON_DTYPES:
+            v = v.to(autocast_dtype)
+    out, _ = _combined_fwd_op(x, v, seed, p, dim, training, s_dtype)
+    return out
+
+
+class Combined(nn.Module):
+    """Softmax along ``dim`` -> dropout (drop probability ``p``) -> matmul with ``v``.
+
+    ``Combined(dim=-1, p=0.1)(scores, v)`` equals
+    ``torch.matmul(F.dropout(torch.softmax(scores, dim), p, self.training), v)`` and keeps for
+    backward only the softmax output, ``v`` and an 8-byte seed.
+    """
+
+    def __init__(self, dim: int = -1, p: float = 0.1):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"Combined: argument 'dim' must be an int, got {type(dim).__name__}")
+        self.dim = dim
+        self.p = check_probability(p, "p", "Combined")
+
+    def forward(self, x: Tensor, v: Tensor) -> Tensor:
+        return combined_softmax_dropout_matmul(x, v, self.dim, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, p={self.p}"
+
+
+__all__ = ["Combined", "combined_softmax_dropout_matmul", "dropout_keep_mask", "draw_seed"]
