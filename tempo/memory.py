@@ -158,28 +158,83 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, model: nn.Module | None = No
     return ledger
 
 
+def marginal_bytes_per_token(run_batch: Callable[[int], ActivationLedger], tokens_per_sample: int,
+                             batches: tuple[int, int] = (1, 2)) -> tuple[float, float]:
+    """(activation bytes per token, fixed bytes) from ledgers at two batch sizes.
+
+    Under autocast, autograd also keeps the low-precision copies of the weights; they cost the
+    same at every batch size, so a single ledger divided by tokens overstates what each extra
+    sample costs. The difference between two batch sizes is the figure that decides how large a
+    batch fits; what is left at batch 0 is reported separately as the fixed part.
+    """
+    small, large = batches
+    bytes_small = run_batch(small).activation_bytes
+    bytes_large = run_batch(large).activation_bytes
+    per_token = (bytes_large - bytes_small) / ((large - small) * tokens_per_sample)
+    fixed = bytes_small - per_token * small * tokens_per_sample
+    return per_token, fixed
+
+
 # -- the table the README and the issue quote ----------------------------------------------
-def _bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype, device: str) -> ActivationLedger:
+LEDGER_VARIANTS = ("original", "tempo", "original+sdpa", "tempo+sdpa")
+
+
+def bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype, device: str,
+                      config_name: str = "bert_large.json") -> ActivationLedger:
+    """Ledger of one post-LN encoder layer's forward in training mode (dropout on)."""
     from tempo.bert.config import BertConfig
     from tempo.bert.model import BertLayer, TempoOptions
 
-    config = BertConfig.from_json_file(_configs_dir() / "bert_large.json")
+    config = BertConfig.from_json_file(_configs_dir() / config_name)
+    if variant.startswith("hf-"):
+        return _hf_layer_ledger(variant[3:], config, seq_len, batch, dtype, device)
     options = {
         "original": TempoOptions.original(attention="eager"),
         "tempo": TempoOptions.full(attention="tempo"),
-        "tempo+sdpa": TempoOptions.full(attention="sdpa"),
         "original+sdpa": TempoOptions.original(attention="sdpa"),
+        "tempo+sdpa": TempoOptions.full(attention="sdpa"),
     }[variant]
     torch.manual_seed(0)
     layer = BertLayer(config, options).to(device).train()
-    hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
+    # The layer's input is the previous layer's LayerNorm output: fp32 from nn.LayerNorm under
+    # autocast, the autocast dtype from InplaceLayerNorm. Feed each variant what it would get.
+    input_dtype = dtype if options.layernorm else torch.float32
+    hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, dtype=input_dtype,
+                         requires_grad=True)
     mask = torch.zeros(batch, 1, 1, seq_len, device=device)  # additive mask, no padding
 
     def forward() -> None:
         with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
-            layer(hidden.to(dtype) if dtype != torch.float32 else hidden, mask)
+            layer(hidden, mask)
 
     return saved_bytes(forward, model=layer)
+
+
+def _hf_layer_ledger(attn_impl: str, config: Any, seq_len: int, batch: int, dtype: torch.dtype,
+                     device: str) -> ActivationLedger:
+    """The same layer as HF transformers builds it (what most users train today)."""
+    from transformers import BertConfig as HFBertConfig
+    from transformers.models.bert.modeling_bert import BertLayer as HFBertLayer
+
+    hf_config = HFBertConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                             intermediate_size=config.intermediate_size, attn_implementation=attn_impl)
+    torch.manual_seed(0)
+    layer = HFBertLayer(hf_config).to(device).train()
+    hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
+
+    def forward() -> None:
+        with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
+            layer(hidden)
+
+    return saved_bytes(forward, model=layer)
+
+
+def _transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _configs_dir():
@@ -188,15 +243,16 @@ def _configs_dir():
     return Path(__file__).resolve().parent.parent / "configs"
 
 
-def ledger_table(seq_lens=(128, 512), variants=("original", "tempo", "original+sdpa", "tempo+sdpa"),
-                 dtype: torch.dtype = torch.bfloat16, batch: int = 1, device: str = "cpu") -> list[dict[str, Any]]:
-    """Rows of bytes kept per token per BERT-large encoder layer, in units of h."""
+def ledger_table(seq_lens=(128, 512), variants=LEDGER_VARIANTS, dtype: torch.dtype = torch.bfloat16,
+                 device: str = "cpu", hidden: int = 1024) -> list[dict[str, Any]]:
+    """Rows of marginal bytes kept per token per BERT-large encoder layer, in units of h."""
     rows = []
     for seq_len in seq_lens:
         row: dict[str, Any] = {"seq_len": seq_len}
         for variant in variants:
-            ledger = _bert_layer_ledger(variant, seq_len, batch, dtype, device)
-            row[variant] = ledger.per_token_per_layer(batch * seq_len, 1, 1024)
+            per_token, _fixed = marginal_bytes_per_token(
+                lambda b: bert_layer_ledger(variant, seq_len, b, dtype, device), seq_len)
+            row[variant] = per_token / hidden
         rows.append(row)
     return rows
 
@@ -221,13 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                         help="autocast dtype (fp32 = no autocast)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers BertLayer column")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.device == "cpu" and dtype == torch.float16:
         parser.error("--dtype fp16 autocast needs --device cuda")
-    rows = ledger_table(tuple(args.seq_lens), dtype=dtype, device=args.device)
+    variants = LEDGER_VARIANTS + (("hf-eager",) if _transformers_available() and not args.no_hf else ())
+    rows = ledger_table(tuple(args.seq_lens), variants=variants, dtype=dtype, device=args.device)
     print(f"Activation ledger: one BERT-large post-LN encoder layer (h=1024, 16 heads, dropout 0.1), "
-          f"{args.dtype} autocast, bytes kept for backward per token, in units of h")
+          f"{args.dtype} autocast.\nBytes kept for backward per token (marginal: batch 2 minus batch 1, "
+          f"so autocast's fixed weight copies are excluded), in units of h = 1024 bytes")
     print(format_table(rows))
     return 0
 

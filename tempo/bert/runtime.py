@@ -1,0 +1,177 @@
+"""Process-level setup shared by the trainers: device, distributed, precision, seeds, errors.
+
+Kept apart from the training loops so that run_pretraining.py and run_squad.py read as the
+loop itself, and so that every entry point fails on bad input the same way: one line naming the
+file, field or argument, a non-zero exit, no traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class UsageError(Exception):
+    """Bad input from the user (a flag, a path, a file's content): reported without a traceback."""
+
+
+# Errors raised by our own modules for bad input; they all subclass ValueError/OSError, but a
+# ValueError from deep inside torch is a bug and must keep its traceback, so we list ours.
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [UsageError, FileNotFoundError, PermissionError, IsADirectoryError]
+    for module, name in (
+        ("tempo.bert.config", "ConfigError"),
+        ("tempo.bert.data.pretraining_dataset", "ShardError"),
+        ("tempo.bert.checkpointing", "CheckpointError"),
+        ("tempo.bert.hf_interop", "CheckpointFormatError"),
+        ("tempo.bert.data.squad", "SquadFormatError"),
+    ):
+        try:
+            mod = __import__(module, fromlist=[name])
+            types.append(getattr(mod, name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def run_main(main: Callable[[], int | None], prog: str) -> int:
+    """Call ``main``; turn user errors into `prog: error: ...` on stderr and exit status 1."""
+    try:
+        return int(main() or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except _user_error_types() as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+@dataclass
+class Runtime:
+    """Where and how this process trains."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_runtime(local_rank_flag: int = -1, force_cpu: bool = False) -> Runtime:
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and start DDP if needed.
+
+    NCCL on GPUs, gloo on CPUs. ``--local_rank`` (DLE's flag, from torch.distributed.launch) is
+    accepted too; torchrun's LOCAL_RANK wins when both are present.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", local_rank_flag if local_rank_flag >= 0 else 0))
+    use_cuda = torch.cuda.is_available() and not force_cpu
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank)
+
+
+def teardown_runtime(rt: Runtime) -> None:
+    if rt.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+def precision_from_flags(fp16: bool, bf16: bool, tf32: bool = False) -> str:
+    if fp16 and bf16:
+        raise UsageError("--fp16/--amp and --bf16 are mutually exclusive")
+    return "fp16" if fp16 else "bf16" if bf16 else "tf32" if tf32 else "fp32"
+
+
+def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """torch.amp autocast for bf16/fp16; nothing for fp32/tf32."""
+    if precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        if precision == "fp16" and device.type == "cpu":
+            raise UsageError("--fp16 needs a CUDA GPU; use --bf16 on the CPU")
+        return torch.autocast(device_type=device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def configure_matmul_precision(precision: str) -> None:
+    # TF32 matmuls are an explicit choice (--tf32), so that "fp32" numbers mean true fp32.
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+
+
+def make_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16 needs loss scaling; bf16 has fp32's exponent range and does not."""
+    if precision != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def peak_memory_bytes(device: torch.device) -> dict[str, int]:
+    """Allocator peaks on CUDA; the process's peak resident set on the CPU (Linux, in bytes)."""
+    if device.type == "cuda":
+        return {
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    try:
+        import resource
+
+        return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    except (ImportError, OSError):
+        return {}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def no_sync_if(model: Any, condition: bool) -> Iterator[None]:
+    """DDP's no_sync() for the micro-steps of gradient accumulation that do not end a step."""
+    if condition and hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def check_output_dir(path: str) -> None:
+    """Create ``path`` and make sure we can write there before any work is done."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test_{os.getpid()}")
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise UsageError(f"--output_dir {path!r} is not writable: {exc.strerror or exc}") from None
