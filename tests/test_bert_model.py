@@ -198,6 +198,7 @@ VARIANTS = {
     "tempo-layernorm": TempoOptions(layernorm=True),
     "tempo-full": TempoOptions.full(),
     "tempo-full-sdpa": TempoOptions.full("sdpa"),
+    "tempo-ln-attention": TempoOptions(layernorm=True, attention="tempo"),
 }
 
 
@@ -246,7 +247,7 @@ def test_variants_match_eager_fp32(variant):
                                    msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("variant", ["sdpa", "tempo-full"])
+@pytest.mark.parametrize("variant", ["sdpa", "tempo-ln-attention", "tempo-full"])
 def test_variants_match_eager_bf16_autocast(variant):
     options = VARIANTS[variant]
     require_tempo_layers(options)
@@ -332,7 +333,7 @@ def test_question_answering_loss_clamps_positions():
 # Activation checkpointing
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-@pytest.mark.parametrize("variant", ["original", "tempo-full"])
+@pytest.mark.parametrize("variant", ["original", "tempo-ln-attention", "tempo-full"])
 def test_checkpoint_activations_is_exact(dropout, variant):
     options = TempoOptions.original() if variant == "original" else VARIANTS[variant]
     require_tempo_layers(options)
@@ -363,7 +364,7 @@ def test_checkpoint_activations_constructor_flag():
 # Precision
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("variant", ["original", "tempo-full"])
+@pytest.mark.parametrize("variant", ["original", "tempo-ln-attention", "tempo-full"])
 def test_forward_backward_runs(autocast, variant):
     options = TempoOptions.original() if variant == "original" else VARIANTS[variant]
     require_tempo_layers(options)
