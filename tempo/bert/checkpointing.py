@@ -1,0 +1,520 @@
+"""Training checkpoints: safe to load, atomic to write, easy to resume.
+
+Layout::
+
+    <output_dir>/checkpoints/ckpt_<step>/
+        model.safetensors    model weights, each shared storage saved once
+        training_state.pt    optimizer, scheduler, scaler, step, data state,
+                             RNG states; loadable with weights_only=True
+        meta.json            step, time, config, options, git commit, versions
+
+A checkpoint is written into ``.ckpt_<step>.tmp-*`` next to its final place,
+fsync'd, then renamed into place, so a directory named ``ckpt_<step>`` is
+always complete; leftovers of a killed save are never picked up.
+
+Save from one process only (rank 0 under DDP); every rank may load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import numpy as np
+except ImportError:  # numpy is a project dependency, but RNG capture should not need it
+    np = None
+
+__all__ = [
+    "CheckpointError",
+    "StopFlag",
+    "capture_rng_state",
+    "install_sigterm_handler",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_model_weights",
+    "restore_rng_state",
+    "save_checkpoint",
+    "unwrap_model",
+]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "training_state.pt"
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+
+_CKPT_NAME = re.compile(r"^ckpt_(\d+)$")
+_TMP_NAME = re.compile(r"^\.ckpt_\d+\.tmp-")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or unsafe to load."""
+
+
+# -- helpers ---------------------------------------------------------------
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP / DataParallel (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    parallel_wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while True:
+        if isinstance(model, parallel_wrappers):
+            model = model.module
+            continue
+        orig = getattr(model, "_orig_mod", None)
+        if isinstance(orig, nn.Module):
+            model = orig
+            continue
+        return model
+
+
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _make_loadable(obj: Any, where: str) -> Any:
+    """Return ``obj`` in a form ``torch.load(weights_only=True)`` accepts.
+
+    numpy arrays become tensors and numpy scalars Python numbers; anything
+    else that is not a tensor, plain value or container raises here, at save
+    time, instead of at resume time.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, _PLAIN_TYPES):
+        return obj
+    if np is not None:
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind == "u" and obj.dtype != np.uint8:
+                obj = obj.astype(np.int64)  # torch has little support for wide unsigned ints
+            if obj.dtype.kind not in "biuf":
+                raise TypeError(f"{where}: numpy array of dtype {obj.dtype} cannot be checkpointed")
+            return torch.from_numpy(obj.copy())
+    if isinstance(obj, dict):
+        return {key: _make_loadable(value, f"{where}[{key!r}]") for key, value in obj.items()}
+    if isinstance(obj, torch.Size):
+        return obj
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = [_make_loadable(value, f"{where}[{i}]") for i, value in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items) if isinstance(obj, tuple) else set(items)
+    raise TypeError(
+        f"{where}: {type(obj).__qualname__} cannot be stored in a weights_only checkpoint; "
+        "use tensors, numbers, strings, lists, tuples and dicts"
+    )
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of torch (CPU and every CUDA device), python and numpy as plain data."""
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch_cpu": torch.get_rng_state(),
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    # Only when CUDA is already in use: querying would otherwise initialise it.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    if np is not None:
+        algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+        state["numpy"] = {
+            "algorithm": algorithm,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        }
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    cuda_states = state.get("cuda")
+    if cuda_states and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if len(cuda_states) != count:
+            logger.warning(
+                "checkpoint has CUDA RNG states for %d devices, this process sees %d; "
+                "restoring the first %d",
+                len(cuda_states),
+                count,
+                min(count, len(cuda_states)),
+            )
+        for device, cuda_state in enumerate(cuda_states[:count]):
+            torch.cuda.set_rng_state(cuda_state, device)
+    np_state = state.get("numpy")
+    if np_state is not None and np is not None:
+        np.random.set_state(
+            (
+                np_state["algorithm"],
+                np_state["keys"].numpy().astype(np.uint32),
+                np_state["pos"],
+                np_state["has_gauss"],
+                np_state["cached_gaussian"],
+            )
+        )
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory (directories: best effort, not on Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+@lru_cache(maxsize=1)
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=2,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    return result.stdout.strip() or None
+
+
+def _json_default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    return str(obj)
+
+
+def _checkpoint_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / CHECKPOINTS_SUBDIR
+
+
+# -- discovery -------------------------------------------------------------
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in (MODEL_FILE, STATE_FILE, META_FILE))
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``output_dir`` as (step, path), oldest first.
+
+    Temporary directories of an unfinished save and directories missing one
+    of the three files are ignored; a missing or empty directory gives [].
+    """
+    root = _checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _CKPT_NAME.match(entry.name)
+        if not match or not entry.is_dir():
+            continue
+        if not _is_complete(entry):
+            logger.warning("ignoring incomplete checkpoint directory %s", entry)
+            continue
+        found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step, or None if there is none."""
+    checkpoints = list_checkpoints(output_dir)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+# -- save ------------------------------------------------------------------
+
+
+def save_checkpoint(
+    output_dir: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
+    data_state: Any = None,
+    extra: Any = None,
+    keep: int | None = 3,
+    *,
+    config: Any = None,
+    options: Any = None,
+) -> Path:
+    """Atomically write ``<output_dir>/checkpoints/ckpt_<step>`` and return its path.
+
+    ``data_state`` and ``extra`` may hold tensors, numbers, strings, lists,
+    tuples, dicts and numpy values (numpy comes back as tensors / Python
+    numbers). ``config`` and ``options`` only go to meta.json. After the new
+    checkpoint is in place, all but the newest ``keep`` checkpoints are
+    deleted (``keep=None`` or ``<= 0`` keeps everything); the new one is
+    never deleted. Re-saving an existing step replaces it.
+    """
+    step = int(step)
+    if step < 0:
+        raise ValueError(f"step must be non-negative, got {step}")
+    root = _checkpoint_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"ckpt_{step}"
+    existing = list_checkpoints(output_dir)
+    if existing and existing[-1][0] > step:
+        logger.warning(
+            "saving step %d into %s, which already holds a newer checkpoint (step %d)",
+            step,
+            root,
+            existing[-1][0],
+        )
+
+    # Build (and validate) everything before touching the disk.
+    training_state = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "optimizer": _make_loadable(optimizer.state_dict(), "optimizer") if optimizer is not None else None,
+        "scheduler": _make_loadable(scheduler.state_dict(), "scheduler") if scheduler is not None else None,
+        "scaler": _make_loadable(scaler.state_dict(), "scaler") if scaler is not None else None,
+        "data_state": _make_loadable(data_state, "data_state"),
+        "extra": _make_loadable(extra, "extra"),
+        "rng": capture_rng_state(),
+    }
+
+    tmp = root / f".ckpt_{step}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    replaced = None
+    try:
+        _save_model_file(unwrap_model(model), tmp / MODEL_FILE)
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save(training_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        now = time.time()
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "time": now,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "config": config,
+            "options": options,
+            "git_commit": _git_commit(),
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            # Sizes let load_checkpoint tell a truncated file from a corrupt one.
+            "file_sizes": {name: (tmp / name).stat().st_size for name in (MODEL_FILE, STATE_FILE)},
+        }
+        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, default=_json_default)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+
+        if final.exists():
+            # os.replace cannot overwrite a non-empty directory: move it aside.
+            replaced = root / f".ckpt_{step}.tmp-old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, replaced)
+        os.replace(tmp, final)
+        _fsync_path(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if replaced is not None and not final.exists():
+            os.replace(replaced, final)
+        raise
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+    _prune(root, output_dir, keep, final)
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _save_model_file(model: nn.Module, path: Path) -> None:
+    from safetensors.torch import save_model
+
+    # save_model stores each shared storage (tied weights) once.
+    save_model(model, str(path), metadata={"format": "pt"})
+    _fsync_path(path)
+
+
+def _prune(root: Path, output_dir, keep: int | None, newest: Path) -> None:
+    if keep is not None and keep > 0:
+        checkpoints = list_checkpoints(output_dir)
+        for _, path in checkpoints[:-keep]:
+            if path != newest:
+                shutil.rmtree(path, ignore_errors=True)
+    # Leftovers of killed saves: only one process saves, so none is in flight.
+    for entry in root.iterdir():
+        if _TMP_NAME.match(entry.name) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+# -- load ------------------------------------------------------------------
+
+
+def _check_files(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    for name in (MODEL_FILE, STATE_FILE, META_FILE):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {path / name} is missing")
+    try:
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path / META_FILE}: {err}") from err
+    for name, size in (meta.get("file_sizes") or {}).items():
+        actual = (path / name).stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"{path / name} has {actual} bytes but {size} were written; the file is truncated or corrupt"
+            )
+    return meta
+
+
+def _load_training_state(file: Path, map_location) -> dict[str, Any]:
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure means the file is unusable
+        raise CheckpointError(
+            f"cannot load {file} (corrupt, or contains objects other than tensors and plain data, "
+            f"which are refused): {err}"
+        ) from err
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{file} is not a tempo training state")
+    return state
+
+
+def load_model_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True) -> nn.Module:
+    """Load weights from a checkpoint directory or a ``.safetensors`` file into ``model``.
+
+    Only the weights: suitable for ``--init_checkpoint``. Returns the unwrapped model.
+    """
+    from safetensors.torch import load_model
+
+    path = Path(path)
+    file = path / MODEL_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise CheckpointError(f"model weights {file} not found")
+    target = unwrap_model(model)
+    try:
+        load_model(target, str(file), strict=strict)
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"cannot load model weights from {file}: {err}") from err
+    return target
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
+    map_location: Any = "cpu",
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore a checkpoint written by `save_checkpoint` into the given objects.
+
+    Returns ``{"step", "data_state", "extra", "meta", "path"}``. Everything is
+    read with ``weights_only=True``; a missing, truncated, corrupt or unsafe
+    file raises `CheckpointError` naming it. Create the scheduler before
+    calling this (constructing a scheduler resets the optimizer's lr).
+    """
+    path = Path(path)
+    meta = _check_files(path)
+    state_file = path / STATE_FILE
+    state = _load_training_state(state_file, map_location)
+
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
+        if obj is not None and state.get(name) is None:
+            raise CheckpointError(f"{state_file} has no {name} state; pass {name}=None to skip it")
+
+    load_model_weights(path, model)
+    try:
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None:
+            if state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            elif scaler.is_enabled():
+                logger.warning("%s has no GradScaler state; keeping the scaler's initial state", state_file)
+    except (KeyError, ValueError, RuntimeError, TypeError) as err:
+        raise CheckpointError(f"state in {state_file} does not fit the given objects: {err}") from err
+    if restore_rng and state.get("rng") is not None:
+        restore_rng_state(state["rng"])
+    return {
+        "step": int(state["step"]),
+        "data_state": state.get("data_state"),
+        "extra": state.get("extra"),
+        "meta": meta,
+        "path": path,
+    }
+
+
+# -- graceful stop -----------------------------------------------------------
+
+
+class StopFlag:
+    """Set by a signal handler; the training loop polls ``requested``.
+
+    Under DDP the ranks should agree (e.g. all-reduce the flag) before saving.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def restore(self) -> None:
+        """Reinstall the handlers that were active before."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+def install_sigterm_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> StopFlag:
+    """On the given signals (default SIGTERM) only set ``flag.requested = True``.
+
+    The handler does no other work; the training loop checks the flag, writes
+    a final checkpoint and exits. Must be called from the main thread.
+    """
+    flag = StopFlag()
+
+    def _request_stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        flag.requested = True
+        flag.signum = signum
+
+    for signum in signals:
+        flag._previous[signum] = signal.signal(signum, _request_stop)
+    return flag
