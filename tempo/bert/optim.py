@@ -215,14 +215,15 @@ class Lamb(Optimizer):
         group["step"] = group.get("step", 0) + 1
         step = group["step"]
         beta1, beta2 = group["betas"]
-        beta3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
-        if group["bias_correction"]:
+        # .get: groups restored from state dicts written by other LAMB versions
+        beta3 = 1.0 - beta1 if group.get("grad_averaging", True) else 1.0
+        if group.get("bias_correction", True):
             bias_correction1 = 1.0 - beta1**step
             bias_correction2 = 1.0 - beta2**step
         else:
             bias_correction1 = bias_correction2 = 1.0
         weight_decay = group["weight_decay"]
-        use_trust_ratio = group["use_nvlamb"] or weight_decay != 0.0
+        use_trust_ratio = group.get("use_nvlamb", False) or weight_decay != 0.0
 
         for params in buckets.values():
             self._update_bucket(
