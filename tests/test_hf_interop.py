@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from tempo.bert.config import BertConfig
 from tempo.bert.hf_interop import (CheckpointError, load_dle_checkpoint, load_hf_checkpoint,
-                                   load_pretrained, minilm_dir, save_hf_checkpoint)
+                                   load_pretrained, minilm_dir, save_hf_checkpoint, unwrap_model)
 from tempo.bert.model import (BertForPreTraining, BertForQuestionAnswering, BertModel,
                               TempoOptions)
 
@@ -292,3 +292,22 @@ def test_dle_errors_name_the_file(tmp_path):
     target = BertModel(cfg)
     load_pretrained(target, bare, strict=True)
     assert_same_weights(target, source)
+
+
+def test_compiled_models_save_and_load_plain_names(tmp_path):
+    """torch.compile wraps the model (`_orig_mod.` keys); files must still carry plain names."""
+    cfg = tiny_config()
+    source = BertForPreTraining(cfg)
+    with torch.no_grad():  # HF files drop the padded vocab rows; reloading fills in zeros
+        source.bert.embeddings.word_embeddings.weight[cfg.vocab_size:] = 0
+        source.cls.predictions.bias[cfg.vocab_size:] = 0
+    compiled = torch.compile(source)  # lazy: nothing is compiled until it is called
+    assert unwrap_model(compiled) is source
+    save_hf_checkpoint(compiled, tmp_path / "hf")
+    assert all(not k.startswith("_orig_mod") for k in load_file(tmp_path / "hf/model.safetensors"))
+
+    torch.save({"model": compiled.state_dict()}, tmp_path / "dle.pt")
+    for path in (tmp_path / "hf", tmp_path / "dle.pt"):
+        target = torch.compile(BertForPreTraining(cfg))
+        load_pretrained(target, path, strict=True)
+        assert_same_weights(unwrap_model(target), source)

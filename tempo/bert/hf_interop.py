@@ -80,9 +80,21 @@ def minilm_dir() -> Path:
 # ---------------------------------------------------------------------------------------------
 # Key normalisation and the common loading path
 # ---------------------------------------------------------------------------------------------
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 def _normalize_key(key: str, model_has_bert_prefix: bool) -> str:
-    while key.startswith("module."):
-        key = key[len("module."):]
+    # Wrapper prefixes: DDP (`module.`) and torch.compile (`_orig_mod.`).
+    while key.startswith(("module.", "_orig_mod.")):
+        key = key.split(".", 1)[1]
     key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)
     key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
     key = key.replace(".dense_act.", ".dense.")
@@ -115,6 +127,7 @@ def load_state_dict_into(model: nn.Module, state: Mapping[str, Tensor], source: 
     key (except the pooler, which HF's task models do not save) or unexpected key is an error too.
     """
     source = Path(source)
+    model = unwrap_model(model)
     ours = model.state_dict()
     model_has_bert_prefix = any(k.startswith("bert.") for k in ours)
     report = LoadReport(source)
@@ -251,6 +264,7 @@ def save_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike,
     and an HF-style `config.json` into out_dir. Returns out_dir."""
     from safetensors.torch import save_file
 
+    model = unwrap_model(model)
     config = config if config is not None else model.config
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
