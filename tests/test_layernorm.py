@@ -1,0 +1,436 @@
+"""In-place LayerNorm: values and every gradient against an fp64 reference, what it keeps for
+backward (the ledger), autocast dtypes, γ near zero, nn.LayerNorm interop, compile/opcheck."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tempo.memory import ActivationLedger
+from tempo.ops._backend import use_backend
+from tempo.ops.layernorm import InplaceLayerNorm, inplace_layernorm, xhat_bound
+
+# Max error relative to max(1, max|reference|): fp32 tight; fp16/bf16 carry the rounding of y in
+# the output dtype (and, in the interpreter, one bf16 ULP from truncating stores).
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 4e-2}
+
+
+def reference_fp64(x, normalized_shape, weight, bias, eps, grad):
+    """fp64 LayerNorm and its gradients by autograd, written out here independently of Tempo."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    x64 = x.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_() if weight is not None else None
+    b64 = bias.detach().double().requires_grad_() if bias is not None else None
+    mean = x64.mean(dim=dims, keepdim=True)
+    var = ((x64 - mean) ** 2).mean(dim=dims, keepdim=True)
+    y = (x64 - mean) / torch.sqrt(var + eps)
+    if w64 is not None:
+        y = y * w64
+    if b64 is not None:
+        y = y + b64
+    y.backward(grad.double())
+    return y.detach(), x64.grad, (w64.grad if w64 is not None else None), (b64.grad if b64 is not None else None)
+
+
+def assert_close(actual, expected, dtype, what):
+    assert actual.shape == expected.shape, what
+    err = (actual.double() - expected).abs().max().item() if actual.numel() else 0.0
+    scale = max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
+    assert err <= TOL[dtype] * scale, f"{what}: max error {err:.3g} > {TOL[dtype]:.1g} x {scale:.3g}"
+
+
+def make_params(shape, device, seed_scale=1.0):
+    # |γ| in [0.5, 1.5] with random signs: recovering x̂ = (y − β)/γ is well conditioned.
+    sign = torch.randint(0, 2, shape, device=device) * 2 - 1
+    weight = (torch.rand(shape, device=device) + 0.5) * sign
+    bias = 0.1 * torch.randn(shape, device=device)
+    return weight, bias
+
+
+def run_module(module, x, grad):
+    y = module(x)
+    y.backward(grad.clone())
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# values and gradients
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(3, 1), (5, 7), (7, 123), (3, 1023), (1, 1500)])
+def test_matches_fp64_reference(backend, device, dtype, rows, hidden):
+    module = InplaceLayerNorm(hidden, device=device)
+    weight, bias = make_params((hidden,), device)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        module.bias.copy_(bias)
+    x = (3 * torch.randn(rows, hidden, device=device) + 1).to(dtype).requires_grad_()
+    grad = torch.randn(rows, hidden, device=device).to(dtype)
+    y = run_module(module, x, grad)
+    assert y.dtype == dtype and x.grad.dtype == dtype
+    assert module.weight.grad.dtype == torch.float32
+    ref_y, ref_dx, ref_dw, ref_db = reference_fp64(x, (hidden,), module.weight, module.bias, 1e-5, grad)
+    assert_close(y, ref_y, dtype, "y")
+    assert_close(x.grad, ref_dx, dtype, "dx")
+    assert_close(module.weight.grad, ref_dw, dtype, "dweight")
+    assert_close(module.bias.grad, ref_db, dtype, "dbias")
+
+
+def test_three_dims_and_odd_rows_match_nn_layernorm(backend, device):
+    ours = InplaceLayerNorm(7, eps=1e-3, device=device)
+    theirs = nn.LayerNorm(7, eps=1e-3, device=device)
+    weight, bias = make_params((7,), device)
+    with torch.no_grad():
+        theirs.weight.copy_(weight)
+        theirs.bias.copy_(bias)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 5, 7, device=device)
+    grad = torch.randn(3, 5, 7, device=device)
+    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ours, y_theirs = run_module(ours, x_ours, grad), run_module(theirs, x_theirs, grad)
+    torch.testing.assert_close(y_ours, y_theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_ours.grad, x_theirs.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_normalized_shape_tuple(backend, device):
+    shape = (3, 5)
+    module = InplaceLayerNorm(shape, device=device)
+    assert module.weight.shape == shape and module.bias.shape == shape
+    weight, bias = make_params(shape, device)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        module.bias.copy_(bias)
+    x = torch.randn(4, 3, 5, device=device, requires_grad=True)
+    grad = torch.randn(4, 3, 5, device=device)
+    y = run_module(module, x, grad)
+    ref_y, ref_dx, ref_dw, ref_db = reference_fp64(x, shape, module.weight, module.bias, 1e-5, grad)
+    assert_close(y, ref_y, torch.float32, "y")
+    assert_close(x.grad, ref_dx, torch.float32, "dx")
+    assert_close(module.weight.grad, ref_dw, torch.float32, "dweight")
+    assert_close(module.bias.grad, ref_db, torch.float32, "dbias")
+
+
+@pytest.mark.parametrize("affine,use_bias", [(False, False), (True, False)])
+def test_without_affine_or_bias(backend, device, affine, use_bias):
+    module = InplaceLayerNorm(9, elementwise_affine=affine, bias=use_bias, device=device)
+    assert (module.weight is None) == (not affine) and module.bias is None
+    if affine:
+        with torch.no_grad():
+            module.weight.copy_(make_params((9,), device)[0])
+    x = torch.randn(5, 9, device=device, requires_grad=True)
+    grad = torch.randn(5, 9, device=device)
+    y = run_module(module, x, grad)
+    ref_y, ref_dx, ref_dw, _ = reference_fp64(x, (9,), module.weight, None, 1e-5, grad)
+    assert_close(y, ref_y, torch.float32, "y")
+    assert_close(x.grad, ref_dx, torch.float32, "dx")
+    if affine:
+        assert_close(module.weight.grad, ref_dw, torch.float32, "dweight")
+
+
+def test_functional_bias_without_weight(backend, device):
+    bias = (0.1 * torch.randn(6, device=device)).requires_grad_()
+    x = torch.randn(4, 6, device=device, requires_grad=True)
+    grad = torch.randn(4, 6, device=device)
+    y = inplace_layernorm(x, 6, None, bias, eps=1e-5)
+    y.backward(grad.clone())
+    ref_y, ref_dx, _, ref_db = reference_fp64(x, (6,), None, bias, 1e-5, grad)
+    assert_close(y, ref_y, torch.float32, "y")
+    assert_close(x.grad, ref_dx, torch.float32, "dx")
+    assert_close(bias.grad, ref_db, torch.float32, "dbias")
+
+
+def test_non_contiguous_input(backend, device):
+    module = InplaceLayerNorm(8, device=device)
+    with torch.no_grad():
+        module.weight.copy_(make_params((8,), device)[0])
+    base = torch.randn(8, 5, device=device, requires_grad=True)
+    x = base.t()  # [5, 8], column stride 5
+    assert not x.is_contiguous()
+    grad = torch.randn(8, 5, device=device).t()  # non-contiguous gradient as well
+    y = run_module(module, x, grad)
+    ref_y, ref_dx, ref_dw, ref_db = reference_fp64(x, (8,), module.weight, module.bias, 1e-5, grad)
+    assert_close(y, ref_y, torch.float32, "y")
+    assert_close(base.grad.t(), ref_dx, torch.float32, "dx")
+    assert_close(module.weight.grad, ref_dw, torch.float32, "dweight")
+    assert_close(module.bias.grad, ref_db, torch.float32, "dbias")
+
+
+def test_empty_input(backend, device):
+    module = InplaceLayerNorm(5, device=device)
+    x = torch.randn(0, 5, device=device, requires_grad=True)
+    y = module(x)
+    assert y.shape == (0, 5)
+    y.sum().backward()
+    assert x.grad.shape == (0, 5)
+    assert torch.equal(module.weight.grad, torch.zeros(5, device=device))
+
+
+def test_backend_fixture_really_runs_the_kernels(backend, device, monkeypatch):
+    from tempo.ops import layernorm
+
+    calls = []
+    for name in ("_layernorm_fwd_triton", "_layernorm_bwd_triton"):
+        original = getattr(layernorm, name)
+        monkeypatch.setattr(layernorm, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    InplaceLayerNorm(4, device=device)(x).sum().backward()
+    expected = ["_layernorm_fwd_triton", "_layernorm_bwd_triton"] if backend == "triton" else []
+    assert calls == expected
+
+
+def test_fp64_gradcheck_reference(device):
+    with use_backend("reference"):
+        x = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
+        weight = (torch.rand(5, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+        bias = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda a, w, b: inplace_layernorm(a, 5, w, b), (x, weight, bias))
+
+
+def test_rows_too_long_for_one_block_use_reference_path(backend, device):
+    from tempo.ops.layernorm import MAX_TRITON_N
+
+    n = MAX_TRITON_N + 3
+    x = torch.randn(2, n, device=device, requires_grad=True)
+    grad = torch.randn(2, n, device=device)
+    y = inplace_layernorm(x, n)
+    y.backward(grad.clone())
+    ref_y, ref_dx, _, _ = reference_fp64(x, (n,), None, None, 1e-5, grad)
+    assert_close(y, ref_y, torch.float32, "y")
+    assert_close(x.grad, ref_dx, torch.float32, "dx")
+
+
+# ---------------------------------------------------------------------------------------------
+# γ near zero
+# ---------------------------------------------------------------------------------------------
+def test_gamma_zero_and_tiny_keeps_gradients_finite_and_bounded(backend, device):
+    n = 12
+    weight = torch.tensor([0.0, 1.0, -0.0, 1e-9, -1e-8, 0.7, 1e-30, -1.3, 0.9, 0.0, 1.1, -0.6], device=device)
+    tau = max(1e-6 * weight.abs().max().item(), 1e-12)
+    small = weight.abs() < tau
+    assert small.sum().item() == 6
+    module = InplaceLayerNorm(n, device=device)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        module.bias.copy_(0.1 * torch.randn(n, device=device))
+    x = torch.randn(7, n, device=device, requires_grad=True)
+    grad = torch.randn(7, n, device=device)
+    y = run_module(module, x, grad)
+    dx, dw, db = x.grad, module.weight.grad, module.bias.grad
+    for name, value in (("dx", dx), ("dweight", dw), ("dbias", db)):
+        assert torch.isfinite(value).all(), name
+
+    ref_y, ref_dx, ref_dw, ref_db = reference_fp64(x, (n,), module.weight, module.bias, 1e-5, grad)
+    assert_close(y, ref_y, torch.float32, "y")
+    assert_close(db, ref_db, torch.float32, "dbias (never needs x̂)")
+    # Features with |γ| >= τ: exact.
+    assert_close(dw[~small], ref_dw[~small], torch.float32, "dweight, |γ| >= τ")
+    assert_close(dx[:, ~small], ref_dx[:, ~small], torch.float32, "dx, |γ| >= τ")
+
+    # Features below τ: the documented bounds.
+    bound = xhat_bound(n)
+    g = grad.double()
+    x64 = x.detach().double()
+    rstd = torch.rsqrt(x64.var(dim=-1, unbiased=False, keepdim=True) + 1e-5)
+    coefficient = (g * (ref_y - module.bias.detach().double())).mean(dim=-1, keepdim=True).abs()
+    dw_bound = 2 * bound * g.abs().sum(0)
+    dx_bound = 2 * bound * rstd * coefficient
+    slack = 1e-5
+    assert ((dw.double() - ref_dw).abs()[small] <= dw_bound[small] + slack).all()
+    assert ((dx.double() - ref_dx).abs()[:, small] <= dx_bound.expand_as(dx)[:, small] + slack).all()
+
+
+def test_gamma_all_zero_gives_finite_gradients(backend, device):
+    module = InplaceLayerNorm(5, device=device)
+    with torch.no_grad():
+        module.weight.zero_()
+    x = torch.randn(3, 5, device=device, requires_grad=True)
+    grad = torch.randn(3, 5, device=device)
+    y = run_module(module, x, grad)
+    assert torch.equal(y, torch.zeros_like(y))
+    # γ = 0: dx = 0 exactly, dβ exact, dγ replaced by 0 (x̂ estimated as 0).
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    torch.testing.assert_close(module.bias.grad, grad.sum(0))
+    assert torch.isfinite(module.weight.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# autocast dtypes and what is kept for backward
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_returns_autocast_dtype(backend, input_dtype):
+    module = InplaceLayerNorm(16)
+    with torch.no_grad():
+        module.weight.copy_(make_params((16,), "cpu")[0])
+    x = torch.randn(3, 16).to(input_dtype).requires_grad_()
+    grad = torch.randn(3, 16).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = module(x)
+    assert y.dtype == torch.bfloat16
+    y.backward(grad.clone())
+    assert x.grad.dtype == input_dtype and module.weight.grad.dtype == torch.float32
+    ref_y, ref_dx, ref_dw, ref_db = reference_fp64(x, (16,), module.weight, module.bias, 1e-5, grad)
+    assert_close(y, ref_y, torch.bfloat16, "y")
+    assert_close(x.grad, ref_dx, torch.bfloat16, "dx")
+    assert_close(module.weight.grad, ref_dw, torch.bfloat16, "dweight")
+    assert_close(module.bias.grad, ref_db, torch.bfloat16, "dbias")
+    # Outside autocast the output keeps the input dtype; explicit out_dtype wins.
+    assert module(x).dtype == input_dtype
+    assert inplace_layernorm(x, 16, out_dtype=torch.float16).dtype == torch.float16
+
+
+def test_ledger_autocast_keeps_only_output_and_rstd():
+    """Under bf16 autocast InplaceLayerNorm -> Linear keeps y (bf16, shared with the Linear) and
+    rstd; nn.LayerNorm -> Linear keeps the fp32 input, mean, rstd and the Linear's bf16 copy."""
+    rows, hidden = 6, 64
+
+    def ledger_for(norm):
+        model = nn.Sequential(norm, nn.Linear(hidden, hidden))
+        x = torch.randn(2, 3, hidden, requires_grad=True)  # fp32, e.g. a residual sum
+        with ActivationLedger(model) as ledger:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+        out.float().sum().backward()  # the kept tensors suffice for backward
+        return ledger
+
+    with use_backend("reference"):
+        tempo = ledger_for(InplaceLayerNorm(hidden))
+    stock = ledger_for(nn.LayerNorm(hidden))
+
+    bf16_linear_weight = hidden * hidden * 2  # autocast's bf16 copy of the Linear weight
+    y_bytes, rstd_bytes = rows * hidden * 2, rows * 4
+    norm_records = [r for r in tempo.records if r.module == "0" and not r.is_parameter]
+    assert [(r.shape, r.dtype, r.nbytes) for r in norm_records] == [
+        ((rows, hidden), torch.bfloat16, y_bytes), ((rows,), torch.float32, rstd_bytes)]
+    linear_records = [r for r in tempo.records if r.module == "1" and not r.is_parameter]
+    assert [(r.dtype, r.nbytes) for r in linear_records] == [(torch.bfloat16, bf16_linear_weight)]
+    assert tempo.activation_bytes == y_bytes + rstd_bytes + bf16_linear_weight == 8984
+
+    # nn.LayerNorm: fp32 input + mean + rstd, and the Linear's own bf16 copy of its input.
+    assert stock.activation_bytes == rows * hidden * 4 + 2 * rows * 4 + y_bytes + bf16_linear_weight == 10544
+    assert tempo.activation_bytes < stock.activation_bytes
+
+
+def test_ledger_without_autocast_never_keeps_the_input(backend, device):
+    module = InplaceLayerNorm(10, device=device)
+    x = torch.randn(7, 10, device=device, requires_grad=True)
+    with ActivationLedger(module) as ledger:
+        y = module(x)
+    kept = [(r.shape, r.dtype) for r in ledger.records if not r.is_parameter]
+    assert kept == [((7, 10), torch.float32), ((7,), torch.float32)]
+    assert ledger.activation_bytes == 7 * 10 * 4 + 7 * 4
+    assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------
+# nn.LayerNorm interop
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [{}, {"elementwise_affine": False}, {"bias": False}, {"eps": 1e-6}])
+def test_state_dict_and_repr_match_nn_layernorm(kwargs):
+    stock = nn.LayerNorm((4, 6), **kwargs)
+    ours = InplaceLayerNorm((4, 6), **kwargs)
+    assert ours.extra_repr() == stock.extra_repr()
+    assert ours.state_dict().keys() == stock.state_dict().keys()
+    for name, param in stock.named_parameters():
+        assert getattr(ours, name).shape == param.shape and getattr(ours, name).dtype == torch.float32
+        with torch.no_grad():
+            param.normal_()
+    ours.load_state_dict(stock.state_dict())
+    for key, value in stock.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], value)
+    back = nn.LayerNorm((4, 6), **kwargs)
+    back.load_state_dict(ours.state_dict())
+    assert ours.normalized_shape == stock.normalized_shape == (4, 6)
+
+
+def test_reexported_from_original_path():
+    from tempo.inplace_layernorm import InplaceLayerNorm as Reexported
+
+    assert Reexported is InplaceLayerNorm
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint, compile, opcheck
+# ---------------------------------------------------------------------------------------------
+def test_under_activation_checkpointing(backend, device):
+    module = InplaceLayerNorm(12, device=device)
+    with torch.no_grad():
+        module.weight.copy_(make_params((12,), device)[0])
+    x = torch.randn(5, 12, device=device)
+    grad = torch.randn(5, 12, device=device)
+    plain_x, ckpt_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    run_module(module, plain_x, grad)
+    plain_dw = module.weight.grad.clone()
+    module.weight.grad = None
+    y = torch.utils.checkpoint.checkpoint(module, ckpt_x, use_reentrant=False)
+    y.backward(grad.clone())
+    torch.testing.assert_close(ckpt_x.grad, plain_x.grad)
+    torch.testing.assert_close(module.weight.grad, plain_dw)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph():
+    module = InplaceLayerNorm(16)
+
+    def step(x):
+        return module(x * 2.0).square().sum()
+
+    x = torch.randn(3, 16)
+    with use_backend("reference"):
+        eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        step(eager_x).backward()
+        torch.compile(step, fullgraph=True)(compiled_x).backward()
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad)
+
+
+@pytest.mark.parametrize("with_affine", [True, False])
+def test_opcheck(backend, with_affine):
+    x = torch.randn(3, 8, requires_grad=True)
+    weight = (torch.rand(8) + 0.5).requires_grad_() if with_affine else None
+    bias = torch.randn(8, requires_grad=True) if with_affine else None
+    torch.library.opcheck(torch.ops.tempo.layernorm_fwd.default, (x, weight, bias, 1e-5, torch.float32))
+    # The backward op runs inside backward only (no double backward): no input requires grad.
+    detached = [t.detach() if t is not None else None for t in (weight, bias)]
+    y = torch.randn(3, 8)
+    rstd = torch.rand(3) + 0.5
+    torch.library.opcheck(torch.ops.tempo.layernorm_bwd.default,
+                          (torch.randn(3, 8), y, rstd, *detached, torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+def test_normalized_shape_mismatch_raises_value_error():
+    module = InplaceLayerNorm((3, 4))
+    with pytest.raises(ValueError, match=r"normalized_shape.*\(3, 4\).*\(2, 4, 3\)"):
+        module(torch.randn(2, 4, 3))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        inplace_layernorm(torch.randn(4), (2, 4))
+    with pytest.raises(ValueError, match="weight"):
+        inplace_layernorm(torch.randn(2, 4), 4, torch.ones(5))
+
+
+def test_integer_input_raises_type_error():
+    with pytest.raises(TypeError, match="input"):
+        InplaceLayerNorm(4)(torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="weight"):
+        inplace_layernorm(torch.randn(2, 4), 4, torch.ones(4, dtype=torch.int32))
+
+
+def test_triton_backend_rejects_fp64(backend):
+    if backend != "triton":
+        pytest.skip("only the Triton kernels are limited to fp32/fp16/bf16")
+    with pytest.raises(TypeError, match="float64"):
+        InplaceLayerNorm(4, dtype=torch.float64)(torch.randn(2, 4, dtype=torch.float64))
+
+
+def test_xhat_bound_is_tight_enough():
+    # One feature at +a, all others at −a/(n−1): |x̂| approaches √(n−1) as eps → 0.
+    n = 9
+    x = torch.full((1, n), -1.0 / (n - 1), dtype=torch.float64)
+    x[0, 0] = 1.0
+    xhat = inplace_layernorm(x, n, eps=1e-12)
+    assert xhat.abs().max().item() == pytest.approx(math.sqrt(n - 1), rel=1e-6)
+    assert xhat.abs().max().item() <= xhat_bound(n)
