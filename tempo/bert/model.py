@@ -265,6 +265,8 @@ def init_bert_weights(module: nn.Module, initializer_range: float) -> None:
     """
     with torch.no_grad():
         for name, param in module.named_parameters():
+            if name.endswith("decoder.weight"):
+                continue  # the tied word embedding: initialised (once) as an embedding
             if name.endswith("LayerNorm.weight"):
                 param.fill_(1.0)
             elif name.endswith("bias"):
