@@ -1,0 +1,361 @@
+"""Combined softmax -> dropout -> matmul against an fp64 reference built in this file.
+
+The fp64 reference uses the very keep-mask the op drew (``dropout_keep_mask`` regenerates it
+from the seed), so outputs and gradients are compared element by element, dropout included.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tempo.combined import Combined, combined_softmax_dropout_matmul
+from tempo.memory import ActivationLedger
+from tempo.ops._backend import use_backend
+from tempo.ops.combined import _combined_bwd_op, _combined_fwd_op, dropout_keep_mask
+
+# (atol, rtol) against fp64, for values of order 1.
+TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 3e-2),  # one bf16 ULP more on the interpreter (it truncates)
+}
+
+
+def _reference(x, v, g, keep, p, dim=-1):
+    """fp64 (out, dx, dv) of matmul(softmax(x, dim) * keep / (1 - p), v)."""
+    x64 = x.detach().double().requires_grad_()
+    v64 = v.detach().double().requires_grad_()
+    probs = torch.softmax(x64, dim)
+    if keep is not None:
+        probs = probs * keep / (1.0 - p)
+    out = torch.matmul(probs, v64)
+    out.backward(g.double())
+    return out.detach(), x64.grad, v64.grad
+
+
+def _run(x, v, g, p, dim=-1, training=True, seed=None):
+    x = x.detach().requires_grad_()
+    v = v.detach().requires_grad_()
+    out = combined_softmax_dropout_matmul(x, v, dim, p, training, seed)
+    out.backward(g.clone())
+    return out.detach(), x.grad, v.grad
+
+
+def _close(actual, expected, dtype, scale=1.0):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected, atol=atol * scale, rtol=rtol)
+
+
+def _inputs(x_shape, v_shape, dtype, device, scale=2.0):
+    x = (torch.randn(x_shape, device=device) * scale).to(dtype)
+    v = torch.randn(v_shape, device=device).to(dtype)
+    return x, v
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _skip_unsupported(backend, dtype):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("fp64 runs on the reference path only")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_matches_fp64_reference(backend, device, dtype, p):
+    _skip_unsupported(backend, dtype)
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), dtype, device)
+    g = torch.randn(2, 3, 7, 4, device=device).to(dtype)
+    seed = torch.tensor(1234, device=device)
+    out, dx, dv = _run(x, v, g, p, seed=seed)
+    keep = dropout_keep_mask(seed, x.shape, p, device, backend) if p else None
+    ref_out, ref_dx, ref_dv = _reference(x, v, g, keep, p)
+    assert out.dtype == dtype and dx.dtype == dtype and dv.dtype == dtype
+    _close(out, ref_out, dtype)
+    _close(dx, ref_dx, dtype)
+    _close(dv, ref_dv, dtype)
+
+
+@pytest.mark.parametrize("length", [1, 7, 123])
+def test_odd_sequence_lengths(backend, device, length):
+    x, v = _inputs((1, 1, length, length), (1, 1, length, 3), torch.float32, device)
+    g = torch.randn(1, 1, length, 3, device=device)
+    seed = torch.tensor(7, device=device)
+    out, dx, dv = _run(x, v, g, 0.2, seed=seed)
+    keep = dropout_keep_mask(seed, x.shape, 0.2, device, backend)
+    ref = _reference(x, v, g, keep, 0.2)
+    for got, want in zip((out, dx, dv), ref):
+        _close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -2])
+def test_other_dims_softmax_then_matmul(backend, device, dim):
+    # Any dim: softmax along dim, then torch.matmul(probs, v) as written.
+    if backend == "triton" and dim != -2:
+        pytest.skip("one non-last dim is enough on the slow interpreter")
+    x, v = _inputs((3, 4, 5), (3, 5, 2), torch.float32, device)
+    g = torch.randn(3, 4, 2, device=device)
+    seed = torch.tensor(99, device=device)
+    out, dx, dv = _run(x, v, g, 0.25, dim=dim, seed=seed)
+    keep = dropout_keep_mask(seed, x.shape, 0.25, device, backend, dim=dim)
+    ref = _reference(x, v, g, keep, 0.25, dim=dim)
+    for got, want in zip((out, dx, dv), ref):
+        _close(got, want, torch.float32)
+
+
+def test_non_contiguous_inputs(backend, device):
+    x = (torch.randn(2, 3, 5, 7, device=device) * 2).transpose(-1, -2)  # [2, 3, 7, 5]
+    v = torch.randn(2, 4, 3, 5, device=device).permute(0, 2, 3, 1)  # [2, 3, 5, 4]
+    assert not x.is_contiguous() and not v.is_contiguous()
+    g = torch.randn(2, 3, 7, 4, device=device)
+    seed = torch.tensor(5, device=device)
+    out, dx, dv = _run(x, v, g, 0.1, seed=seed)
+    keep = dropout_keep_mask(seed, x.shape, 0.1, device, backend)
+    ref = _reference(x, v, g, keep, 0.1)
+    for got, want in zip((out, dx, dv), ref):
+        _close(got, want, torch.float32)
+
+
+def test_broadcast_batch_dims(device):
+    # x [2, 3, 4, 5] against a v shared over the first batch dim, as torch.matmul broadcasts.
+    x, v = _inputs((2, 3, 4, 5), (3, 5, 2), torch.float32, device)
+    g = torch.randn(2, 3, 4, 2, device=device)
+    seed = torch.tensor(3, device=device)
+    with use_backend("reference"):
+        out, dx, dv = _run(x, v, g, 0.2, seed=seed)
+        keep = dropout_keep_mask(seed, x.shape, 0.2, device, "reference")
+    ref = _reference(x, v, g, keep, 0.2)
+    assert dv.shape == v.shape
+    for got, want in zip((out, dx, dv), ref):
+        _close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["p0", "eval"])
+def test_no_dropout_is_softmax_matmul(backend, device, mode):
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    layer = Combined(dim=-1, p=0.0 if mode == "p0" else 0.5)
+    if mode == "eval":
+        layer.eval()
+    out = layer(x, v)
+    expected = torch.matmul(torch.softmax(x, -1), v)
+    if backend == "reference":
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_statistics_and_scaling(backend, device, p):
+    # With v = I the output IS the dropout output: zeros where dropped, s / (1 - p) where kept.
+    rows, n = 32, 128
+    x = torch.randn(rows, n, device=device)
+    eye = torch.eye(n, device=device)
+    seed = torch.tensor(2024, device=device)
+    dropped_probs = combined_softmax_dropout_matmul(x, eye, -1, p, True, seed)
+    keep = dropout_keep_mask(seed, x.shape, p, device, backend)
+    s = torch.softmax(x, -1)
+    torch.testing.assert_close(dropped_probs, torch.where(keep, s / (1 - p), 0.0), atol=1e-6, rtol=1e-5)
+    assert torch.equal(dropped_probs != 0, keep)
+    kept = keep.float().mean().item()
+    sigma = math.sqrt(p * (1 - p) / keep.numel())
+    assert abs(kept - (1 - p)) < 3 * sigma, (kept, 1 - p, sigma)
+
+
+def test_seed_determinism(backend, device):
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    a = combined_softmax_dropout_matmul(x, v, -1, 0.5, True, torch.tensor(11, device=device))
+    b = combined_softmax_dropout_matmul(x, v, -1, 0.5, True, torch.tensor(11, device=device))
+    c = combined_softmax_dropout_matmul(x, v, -1, 0.5, True, torch.tensor(12, device=device))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    # The module draws its seed from torch's RNG: manual_seed makes it reproducible.
+    layer = Combined(dim=-1, p=0.5)
+    torch.manual_seed(3)
+    d = layer(x, v)
+    torch.manual_seed(3)
+    assert torch.equal(d, layer(x, v))
+
+
+def test_additive_masks_and_fully_masked_rows(backend, device):
+    scores = torch.randn(2, 2, 4, 6, device=device)
+    v = torch.randn(2, 2, 6, 3, device=device)
+    g = torch.randn(2, 2, 4, 3, device=device)
+    seed = torch.tensor(8, device=device)
+
+    # finfo.min mask, last two keys padded, one query row fully masked: behaves as torch
+    # (the fully masked row is uniform).
+    mask = torch.zeros(2, 1, 1, 6, device=device)
+    mask[..., 4:] = torch.finfo(torch.float32).min
+    x = scores + mask
+    x[0, 0, 1, :] = torch.finfo(torch.float32).min
+    out, dx, dv = _run(x, v, g, 0.2, seed=seed)
+    keep = dropout_keep_mask(seed, x.shape, 0.2, device, backend)
+    ref = _reference(x, v, g, keep, 0.2)
+    for got, want in zip((out, dx, dv), ref):
+        _close(got, want, torch.float32)
+    row = combined_softmax_dropout_matmul(x, torch.eye(6, device=device), -1, 0.0, True)[0, 0, 1]
+    torch.testing.assert_close(row, torch.full_like(row, 1 / 6))
+
+    # -inf mask: partial rows as torch; a fully -inf row gives probabilities 0 (torch: NaN),
+    # so a zero output row and zero gradients, and no NaN anywhere.
+    mask[..., 4:] = float("-inf")
+    x = scores + mask
+    x[0, 0, 1, :] = float("-inf")
+    out, dx, dv = _run(x, v, g, 0.2, seed=seed)
+    assert torch.isfinite(out).all() and torch.isfinite(dx).all() and torch.isfinite(dv).all()
+    assert torch.equal(out[0, 0, 1], torch.zeros(3, device=device))
+    assert torch.equal(dx[0, 0, 1], torch.zeros(6, device=device))
+    partial = (slice(1, None),)  # rows of batch 1 have no fully masked row: match torch
+    ref = _reference(x[partial], v[partial], g[partial], keep[partial], 0.2)
+    dx_masked_keys = dx[..., 4:]
+    assert torch.equal(dx_masked_keys, torch.zeros_like(dx_masked_keys))
+    _close(out[partial], ref[0], torch.float32)
+    _close(dx[partial], torch.nan_to_num(ref[1]), torch.float32)
+
+
+def test_ledger_keeps_only_softmax_output_and_v(backend, device):
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    x.requires_grad_()
+    v.requires_grad_()
+    layer = Combined(dim=-1, p=0.1)
+    with ActivationLedger(layer) as ours:
+        layer(x, v)
+    kept = sorted((r.shape, r.dtype, r.nbytes) for r in ours.records)
+    s_bytes = x.numel() * 4
+    assert kept == sorted([
+        ((2, 3, 7, 5), torch.float32, s_bytes),  # softmax output
+        ((2, 3, 5, 4), torch.float32, v.numel() * 4),  # v
+        ((), torch.int64, 8),  # the dropout seed
+    ])
+    assert ours.activation_bytes == s_bytes + v.numel() * 4 + 8
+
+    # Eager keeps the softmax output, the dropout mask and the dropout output, and v.
+    with ActivationLedger() as eager:
+        torch.matmul(F.dropout(torch.softmax(x, -1), 0.1, True), v)
+    mask_bytes = eager.activation_bytes - 2 * s_bytes - v.numel() * 4
+    assert mask_bytes >= x.numel()  # bool on CUDA (1 byte/elem); CPU keeps a float noise tensor
+    assert eager.activation_bytes - ours.activation_bytes == s_bytes + mask_bytes - 8
+
+
+def test_autocast_stores_softmax_in_autocast_dtype(device):
+    # BERT: scores come out of a bf16 matmul, plus an fp32 additive mask -> fp32 x; v is bf16.
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    v = v.bfloat16()
+    x.requires_grad_()
+    v.requires_grad_()
+    with use_backend("reference"), torch.autocast(device, dtype=torch.bfloat16):
+        with ActivationLedger() as ledger:
+            out = Combined(dim=-1, p=0.0)(x, v)
+        expected = torch.matmul(torch.softmax(x, -1), v)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    kept = [(r.shape, r.dtype) for r in ledger.records]
+    assert kept == [((2, 3, 7, 5), torch.bfloat16), ((2, 3, 5, 4), torch.bfloat16), ((), torch.int64)]
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16
+
+
+def test_mixed_dtypes_cast_probabilities_to_v_dtype(device):
+    x, v = _inputs((2, 7, 5), (2, 5, 4), torch.float32, device)
+    with use_backend("reference"):
+        out = combined_softmax_dropout_matmul(x, v.double(), -1, 0.0, False)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.softmax(x, -1).double() @ v.double())
+
+
+def test_empty_tensors(backend, device):
+    for x_shape, v_shape in [((2, 0, 5), (2, 5, 3)), ((2, 3, 0), (2, 0, 4))]:
+        x = torch.randn(x_shape, device=device, requires_grad=True)
+        v = torch.randn(v_shape, device=device, requires_grad=True)
+        out = combined_softmax_dropout_matmul(x, v, -1, 0.1, True)
+        assert out.shape == torch.matmul(x, v).shape
+        assert torch.equal(out, torch.zeros_like(out))
+        out.sum().backward()
+        assert x.grad.shape == x.shape and v.grad.shape == v.shape
+
+
+def test_checkpoint_equivalence(backend, device):
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    g = torch.randn(2, 3, 7, 4, device=device)
+    layer = Combined(dim=-1, p=0.3)
+
+    def run(use_checkpoint):
+        xi = x.detach().requires_grad_()
+        vi = v.detach().requires_grad_()
+        torch.manual_seed(17)
+        out = checkpoint(layer, xi, vi, use_reentrant=False) if use_checkpoint else layer(xi, vi)
+        out.backward(g.clone())
+        return out, xi.grad, vi.grad
+
+    for plain, ckpt in zip(run(False), run(True)):
+        assert torch.equal(plain, ckpt)
+
+
+def test_opcheck(backend, device):
+    x, v = _inputs((2, 3, 5), (2, 5, 4), torch.float32, device)
+    x.requires_grad_()
+    v.requires_grad_()
+    seed = torch.tensor(21, device=device)
+    for args in [(x, v, seed, 0.2, 2, True, torch.float32), (x, v, seed, 0.0, 1, False, torch.float32)]:
+        torch.library.opcheck(_combined_fwd_op, args)
+    g = torch.randn(2, 3, 4, device=device)
+    s = torch.softmax(x.detach(), -1)
+    torch.library.opcheck(_combined_bwd_op, (g, s, v.detach(), seed, 0.2, 2, True, torch.float32))
+
+
+def test_compile_fullgraph(device):
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    seed = torch.tensor(4, device=device)
+
+    def attention(x, v, seed):
+        return combined_softmax_dropout_matmul(x * 1.0, v, -1, 0.2, True, seed).sum(-1)
+
+    with use_backend("reference"):
+        compiled = torch.compile(attention, fullgraph=True)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        eager_out, compiled_out = attention(xs[0], v, seed), compiled(xs[1], v, seed)
+        torch.testing.assert_close(compiled_out, eager_out)
+        eager_out.sum().backward()
+        compiled_out.sum().backward()
+        torch.testing.assert_close(xs[1].grad, xs[0].grad)
+        # The module draws its seed inside the graph: still one graph, and it runs.
+        layer = Combined(dim=-1, p=0.2)
+        assert torch.compile(layer, fullgraph=True)(x, v).shape == (2, 3, 7, 4)
+
+
+def test_bad_inputs():
+    x, v = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    for p in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match="'p'"):
+            combined_softmax_dropout_matmul(x, v, -1, p, True)
+        with pytest.raises(ValueError, match="'p'"):
+            Combined(dim=-1, p=p)
+    with pytest.raises(TypeError, match="'x'"):
+        combined_softmax_dropout_matmul(x.long(), v)
+    with pytest.raises(TypeError, match="'v'"):
+        combined_softmax_dropout_matmul(x, v.int())
+    with pytest.raises(ValueError, match=r"'dim'=3 .*rank 3"):
+        combined_softmax_dropout_matmul(x, v, 3)
+    with pytest.raises(ValueError, match=r"'dim'=-4 .*rank 3"):
+        Combined(dim=-4, p=0.1)(x, v)
+    with pytest.raises(ValueError, match="x's last dim .* v's"):
+        combined_softmax_dropout_matmul(x, torch.randn(2, 5, 5))
+    with pytest.raises(ValueError, match="batch dims of x .* and v"):
+        combined_softmax_dropout_matmul(x, torch.randn(3, 4, 5))
+    with pytest.raises(ValueError, match="'x' and 'v'"):
+        combined_softmax_dropout_matmul(torch.randn(4), v)
+    with pytest.raises(TypeError, match="'seed'"):
+        combined_softmax_dropout_matmul(x, v, seed=torch.tensor(1.5))
+    with pytest.raises(TypeError, match="'dim'"):
+        Combined(dim=1.0)
+
+
+def test_import_paths_and_repr():
+    import tempo
+
+    assert tempo.Combined is Combined
+    assert repr(Combined(-1, 0.1)) == "Combined(dim=-1, p=0.1)"
