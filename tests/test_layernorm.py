@@ -40,7 +40,7 @@ def assert_close(actual, expected, dtype, what):
     assert err <= TOL[dtype] * scale, f"{what}: max error {err:.3g} > {TOL[dtype]:.1g} x {scale:.3g}"
 
 
-def make_params(shape, device, seed_scale=1.0):
+def make_params(shape, device):
     # |γ| in [0.5, 1.5] with random signs: recovering x̂ = (y − β)/γ is well conditioned.
     sign = torch.randint(0, 2, shape, device=device) * 2 - 1
     weight = (torch.rand(shape, device=device) + 0.5) * sign
@@ -260,13 +260,13 @@ def test_gamma_all_zero_gives_finite_gradients(backend, device):
 # autocast dtypes and what is kept for backward
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
-def test_autocast_returns_autocast_dtype(backend, input_dtype):
-    module = InplaceLayerNorm(16)
+def test_autocast_returns_autocast_dtype(backend, device, input_dtype):
+    module = InplaceLayerNorm(16, device=device)
     with torch.no_grad():
-        module.weight.copy_(make_params((16,), "cpu")[0])
-    x = torch.randn(3, 16).to(input_dtype).requires_grad_()
-    grad = torch.randn(3, 16).to(torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module.weight.copy_(make_params((16,), device)[0])
+    x = torch.randn(3, 16, device=device).to(input_dtype).requires_grad_()
+    grad = torch.randn(3, 16, device=device).to(torch.bfloat16)
+    with torch.autocast(device, dtype=torch.bfloat16):
         y = module(x)
     assert y.dtype == torch.bfloat16
     y.backward(grad.clone())
@@ -276,27 +276,26 @@ def test_autocast_returns_autocast_dtype(backend, input_dtype):
     assert_close(x.grad, ref_dx, torch.bfloat16, "dx")
     assert_close(module.weight.grad, ref_dw, torch.bfloat16, "dweight")
     assert_close(module.bias.grad, ref_db, torch.bfloat16, "dbias")
-    # Outside autocast the output keeps the input dtype; explicit out_dtype wins.
+    # Outside autocast the output keeps the input dtype; an explicit out_dtype wins.
     assert module(x).dtype == input_dtype
     assert inplace_layernorm(x, 16, out_dtype=torch.float16).dtype == torch.float16
 
 
-def test_ledger_autocast_keeps_only_output_and_rstd():
+def test_ledger_autocast_keeps_only_output_and_rstd(backend, device):
     """Under bf16 autocast InplaceLayerNorm -> Linear keeps y (bf16, shared with the Linear) and
     rstd; nn.LayerNorm -> Linear keeps the fp32 input, mean, rstd and the Linear's bf16 copy."""
     rows, hidden = 6, 64
 
     def ledger_for(norm):
-        model = nn.Sequential(norm, nn.Linear(hidden, hidden))
-        x = torch.randn(2, 3, hidden, requires_grad=True)  # fp32, e.g. a residual sum
+        model = nn.Sequential(norm, nn.Linear(hidden, hidden)).to(device)
+        x = torch.randn(2, 3, hidden, device=device, requires_grad=True)  # fp32, e.g. a residual sum
         with ActivationLedger(model) as ledger:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 out = model(x)
         out.float().sum().backward()  # the kept tensors suffice for backward
         return ledger
 
-    with use_backend("reference"):
-        tempo = ledger_for(InplaceLayerNorm(hidden))
+    tempo = ledger_for(InplaceLayerNorm(hidden))
     stock = ledger_for(nn.LayerNorm(hidden))
 
     bf16_linear_weight = hidden * hidden * 2  # autocast's bf16 copy of the Linear weight
@@ -386,17 +385,17 @@ def test_torch_compile_fullgraph():
 
 
 @pytest.mark.parametrize("with_affine", [True, False])
-def test_opcheck(backend, with_affine):
-    x = torch.randn(3, 8, requires_grad=True)
-    weight = (torch.rand(8) + 0.5).requires_grad_() if with_affine else None
-    bias = torch.randn(8, requires_grad=True) if with_affine else None
+def test_opcheck(backend, device, with_affine):
+    x = torch.randn(3, 8, device=device, requires_grad=True)
+    weight = (torch.rand(8, device=device) + 0.5).requires_grad_() if with_affine else None
+    bias = torch.randn(8, device=device, requires_grad=True) if with_affine else None
     torch.library.opcheck(torch.ops.tempo.layernorm_fwd.default, (x, weight, bias, 1e-5, torch.float32))
     # The backward op runs inside backward only (no double backward): no input requires grad.
     detached = [t.detach() if t is not None else None for t in (weight, bias)]
-    y = torch.randn(3, 8)
-    rstd = torch.rand(3) + 0.5
+    y = torch.randn(3, 8, device=device)
+    rstd = torch.rand(3, device=device) + 0.5
     torch.library.opcheck(torch.ops.tempo.layernorm_bwd.default,
-                          (torch.randn(3, 8), y, rstd, *detached, torch.float32))
+                          (torch.randn(3, 8, device=device), y, rstd, *detached, torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,11 +418,14 @@ def test_integer_input_raises_type_error():
         inplace_layernorm(torch.randn(2, 4), 4, torch.ones(4, dtype=torch.int32))
 
 
-def test_triton_backend_rejects_fp64(backend):
-    if backend != "triton":
-        pytest.skip("only the Triton kernels are limited to fp32/fp16/bf16")
-    with pytest.raises(TypeError, match="float64"):
-        InplaceLayerNorm(4, dtype=torch.float64)(torch.randn(2, 4, dtype=torch.float64))
+def test_triton_backend_rejects_fp64(backend, device):
+    module = InplaceLayerNorm(4, dtype=torch.float64, device=device)
+    x = torch.randn(2, 4, dtype=torch.float64, device=device)
+    if backend == "reference":
+        assert module(x).dtype == torch.float64
+    else:
+        with pytest.raises(TypeError, match="float64"):
+            module(x)
 
 
 def test_xhat_bound_is_tight_enough():
