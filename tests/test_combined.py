@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tempo.combined import Combined, combined_softmax_dropout_matmul
 from tempo.memory import ActivationLedger
-from tempo.ops._backend import use_backend
+from tempo.ops._backend import triton_usable_for, use_backend
 from tempo.ops.combined import _combined_bwd_op, _combined_fwd_op, dropout_keep_mask
 
 # (atol, rtol) against fp64, for values of order 1.
@@ -304,7 +304,28 @@ def test_opcheck(backend, device):
         torch.library.opcheck(_combined_fwd_op, args)
     g = torch.randn(2, 3, 4, device=device)
     s = torch.softmax(x.detach(), -1)
-    torch.library.opcheck(_combined_bwd_op, (g, s, v.detach(), seed, 0.2, 2, True, torch.float32))
+    torch.library.opcheck(_combined_bwd_op, (g, s, v.detach(), seed, 0.2, 2, True, torch.float32, backend))
+    s1 = torch.softmax(x.detach(), 1).movedim(1, -1).contiguous()  # saved layout: dim moved last
+    g1 = torch.randn(2, 3, 4, device=device)
+    torch.library.opcheck(_combined_bwd_op, (g1, s1, v.detach(), seed, 0.2, 1, True, torch.float32, backend))
+
+
+def test_backward_uses_the_forward_backend(device):
+    # Backward may run outside the forward's use_backend() block (CUDA: on autograd's thread);
+    # it must regenerate the mask the forward drew, not one of the backend in force then.
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    if not triton_usable_for(x):
+        pytest.skip("needs the Triton path next to the reference one")
+    x.requires_grad_()
+    g = torch.randn(2, 3, 7, 4, device=device)
+    seed = torch.tensor(31, device=device)
+    with use_backend("triton"):
+        out = combined_softmax_dropout_matmul(x, v, -1, 0.5, True, seed)
+    keep = dropout_keep_mask(seed, x.shape, 0.5, device, "triton")
+    assert not torch.equal(keep, dropout_keep_mask(seed, x.shape, 0.5, device, "reference"))
+    with use_backend("reference"):
+        out.backward(g.clone())
+    _close(x.grad, _reference(x, v, g, keep, 0.5)[1], torch.float32)
 
 
 def test_compile_fullgraph(device):

@@ -156,17 +156,27 @@ def _triton_forward(xm: Tensor, s_dtype: torch.dtype, d_dtype: torch.dtype, seed
     return s, d
 
 
-def _triton_dropout_from_seed(s: Tensor, out_dtype: torch.dtype, seed: Tensor, p: float,
-                              write_mask: bool) -> Tensor:
-    n_cols = s.shape[-1]
-    out = torch.empty(s.shape, dtype=torch.uint8 if write_mask else out_dtype, device=s.device)
-    rows = _rows(s, n_cols)
+def _launch_dropout_from_seed(s: Tensor, out: Tensor, seed: Tensor, p: float, write_mask: bool) -> None:
+    n_cols = out.shape[-1]
+    rows = _rows(out, n_cols)
     if rows:
         block, num_warps = _launch_config(n_cols)
         _dropout_from_seed_kernel[(rows,)](
             s, out, seed, n_cols, p, 1.0 / (1.0 - p),
             WRITE_MASK=write_mask, BLOCK=block, num_warps=num_warps)
-    return out.view(torch.bool) if write_mask else out
+
+
+def _triton_dropout_output(s: Tensor, out_dtype: torch.dtype, seed: Tensor, p: float) -> Tensor:
+    """s * keep / (1 - p) in ``out_dtype``, the mask regenerated from ``seed``."""
+    out = torch.empty(s.shape, dtype=out_dtype, device=s.device)
+    _launch_dropout_from_seed(s, out, seed, p, write_mask=False)
+    return out
+
+
+def _triton_keep_mask(shape: tuple[int, ...], device: torch.device, seed: Tensor, p: float) -> Tensor:
+    out = torch.empty(shape, dtype=torch.uint8, device=device)
+    _launch_dropout_from_seed(out, out, seed, p, write_mask=True)  # s is unused when writing the mask
+    return out.view(torch.bool)
 
 
 def _triton_softmax_dropout_backward(dd: Tensor, s: Tensor, x_dtype: torch.dtype, seed: Tensor,
@@ -217,8 +227,7 @@ def dropout_keep_mask(seed: Tensor, shape, p: float, device, backend: str, dim: 
     if backend == "reference":
         keep = _reference_keep_mask(seed, moved, p, device)
     elif backend == "triton":
-        keep = _triton_dropout_from_seed(torch.empty(moved, dtype=torch.float32, device=device),
-                                         torch.uint8, seed, p, write_mask=True)
+        keep = _triton_keep_mask(moved, device, seed, p)
     else:
         raise ValueError(f"dropout_keep_mask: backend must be 'triton' or 'reference', got {backend!r}")
     return keep.movedim(-1, dim)
@@ -262,15 +271,20 @@ def _(x, v, seed, p, dim, training, s_dtype):
 
 @torch.library.custom_op("tempo::combined_softmax_dropout_matmul_backward", mutates_args=())
 def _combined_bwd_op(grad_out: Tensor, s: Tensor, v: Tensor, seed: Tensor, p: float, dim: int,
-                     training: bool, x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                     training: bool, x_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+    # ``backend`` is the path the forward took (its mask is the one to regenerate): resolving it
+    # again here could differ, e.g. CUDA backward runs on autograd's device thread, outside a
+    # use_backend() block of the forward.
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"{_OP}_backward: backend must be 'triton' or 'reference', got {backend!r}")
     dropout = training and p > 0.0
     x_shape = s.movedim(-1, dim).shape
     g = grad_out.to(v.dtype)
     with torch.autocast(s.device.type, enabled=False):
-        use_triton = resolve_backend(s, _OP) == "triton"
+        use_triton = backend == "triton"
         keep = None
         if use_triton:
-            d = _triton_dropout_from_seed(s, v.dtype, seed, p, write_mask=False) if dropout else s.to(v.dtype)
+            d = _triton_dropout_output(s, v.dtype, seed, p) if dropout else s.to(v.dtype)
         else:
             if dropout:
                 keep = _reference_keep_mask(seed, tuple(s.shape), p, s.device)
@@ -298,7 +312,7 @@ def _combined_bwd_op(grad_out: Tensor, s: Tensor, v: Tensor, seed: Tensor, p: fl
 
 
 @_combined_bwd_op.register_fake
-def _(grad_out, s, v, seed, p, dim, training, x_dtype):
+def _(grad_out, s, v, seed, p, dim, training, x_dtype, backend):
     dx = s.new_empty(s.shape, dtype=x_dtype).movedim(-1, dim)
     return dx, v.new_empty(v.shape)
 
@@ -309,11 +323,14 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(s)
     ctx.save_for_backward(s, v, seed)
     ctx.p, ctx.dim, ctx.training, ctx.x_dtype = p, dim, training, x.dtype
+    # Same thread and backend context as the forward impl that just ran.
+    ctx.backend = resolve_backend(x, _OP)
 
 
 def _backward(ctx, grad_out, grad_s):
     s, v, seed = ctx.saved_tensors
-    dx, dv = _combined_bwd_op(grad_out, s, v, seed, ctx.p, ctx.dim, ctx.training, ctx.x_dtype)
+    dx, dv = _combined_bwd_op(grad_out, s, v, seed, ctx.p, ctx.dim, ctx.training, ctx.x_dtype,
+                              ctx.backend)
     return dx, dv, None, None, None, None, None
 
 
