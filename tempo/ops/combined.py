@@ -16,7 +16,11 @@ Semantics
   * The mask is a pure function of (seed, shape of x with ``dim`` moved last, p, backend):
     the Triton path uses Triton's philox (``tl.rand(seed, flat index)``), the reference path a
     ``torch.Generator`` seeded with ``seed.item()``. The two paths draw different masks for
-    the same seed; ``dropout_keep_mask`` regenerates exactly the mask either one uses.
+    the same seed; ``dropout_keep_mask`` regenerates exactly the mask either one uses. The
+    backward uses the backend its forward ran on (recorded at forward time), so the mask matches
+    even when backward runs outside the forward's ``use_backend`` block.
+  * The Triton path handles softmax rows of up to ``MAX_TRITON_ROW`` elements (one program per
+    row); longer rows raise and point at the reference backend.
   * Dtypes: ``s`` is stored in ``x``'s dtype; the probabilities are cast to ``v``'s dtype for
     the matmul, so the output has ``v``'s dtype. Under autocast (custom ops are not on
     autocast's lists, so the module decides) fp32/fp16/bf16 ``x`` and ``v`` behave like
