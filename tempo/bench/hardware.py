@@ -1,0 +1,156 @@
+"""What we run on: GPU detection, dense peak TFLOPS per precision, copy bandwidth, versions.
+
+Peak table (dense, i.e. without 2:4 sparsity; boost clock; from NVIDIA's datasheets and
+architecture whitepapers; TFLOPS):
+
+  GPU            bf16/fp16 tensor   tf32 tensor   fp32 (no tensor cores)
+  H100 SXM        989                494.7         66.9
+  H100 PCIe       756                378           51.2
+  H100 NVL        835                418           60.0
+  H200 (SXM)      989                494.7         66.9   (same GH100 compute as H100 SXM)
+  A100 (SXM/PCIe) 312                156           19.5
+  L4              121                60            30.3
+  A10             125                62.5          31.2
+  V100 SXM2       125 (fp16 only)    -             15.7
+  V100 PCIe       112 (fp16 only)    -             14.0
+  RTX 2080 Ti     53.8 (fp16 only)   -             13.4
+
+Assumptions: "bf16"/"fp16" runs are bounded by the tensor-core peak of that dtype with fp32
+accumulation, which is what PyTorch's matmuls use. That matters on GeForce Turing: the 2080 Ti's
+often-quoted 107.6 TFLOPS is fp16 with fp16 accumulation; with fp32 accumulation the whitepaper
+gives half of it, 53.8. GPUs without bf16 (V100, Turing) have no bf16 peak (MFU is left out);
+GPUs without TF32 run "tf32" at the fp32 peak. Unknown GPUs and the CPU have no peak unless
+``--peak-tflops`` gives one. Real sustained clocks are lower than boost clock, so MFU near 100%
+is not reachable; ~50-60% for BERT-large is good.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# (name substrings that must all occur, lower case) -> peaks; first match wins, so the more
+# specific variants come first.
+_PEAKS: list[tuple[tuple[str, ...], str, dict[str, float]]] = [
+    (("h100", "pcie"), "H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    (("h100", "nvl"), "H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    (("h100",), "H100 SXM", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    (("h200",), "H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    (("a100",), "A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (("l4",), "L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (("a10",), "A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (("v100", "pcie"), "V100 PCIe", {"fp16": 112.0, "tf32": 14.0, "fp32": 14.0}),
+    (("v100",), "V100 SXM2", {"fp16": 125.0, "tf32": 15.7, "fp32": 15.7}),
+    (("2080 ti",), "RTX 2080 Ti", {"fp16": 53.8, "tf32": 13.4, "fp32": 13.4}),
+]
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def known_gpu(name: str) -> str | None:
+    """The table's name for a GPU name as CUDA reports it, None when it is not in the table."""
+    lower = name.lower()
+    for keys, label, _ in _PEAKS:
+        if all(k in lower for k in keys):
+            return label
+    return None
+
+
+def peak_tflops(name: str, precision: str) -> float | None:
+    """Dense peak TFLOPS of GPU ``name`` for ``precision``; None when unknown or unsupported."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+    lower = name.lower()
+    for keys, _, peaks in _PEAKS:
+        if all(k in lower for k in keys):
+            return peaks.get(precision)
+    return None
+
+
+def device_label(device: torch.device | str) -> str:
+    """Folder-safe short name for results/<label>/: the GPU's name, or "cpu"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    name = known_gpu(device_name(device)) or device_name(device)
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def measure_copy_bandwidth(device: torch.device | str, nbytes: int = 256 << 20, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read + bytes written.
+
+    This is the practical ceiling a memory-bound kernel can reach (a bit under the datasheet's
+    HBM figure); the ops benchmark quotes its kernels against it.
+    """
+    from tempo.bench.timing import time_fn
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times_ms = time_fn(lambda: dst.copy_(src), device, warmup=2, repeats=repeats)
+    times_ms.sort()
+    best = times_ms[len(times_ms) // 2]
+    return 2 * src.numel() * 4 / (best / 1000.0) / 1e9
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def git_commit() -> dict[str, Any]:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit or None, "dirty": dirty}
+
+
+def environment(device: torch.device | str) -> dict[str, Any]:
+    """Everything a result needs to be compared later: hardware, driver, library versions."""
+    device = torch.device(device)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = None
+    info: dict[str, Any] = {
+        "device": str(device),
+        "device_name": device_name(device),
+        "gpu": known_gpu(device_name(device)) if device.type == "cuda" else None,
+        "driver": _nvidia_driver() if device.type == "cuda" else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": sys.version.split()[0],
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        **{f"git_{k}": v for k, v in git_commit().items()},
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu_memory_bytes"] = props.total_memory
+        info["compute_capability"] = f"{props.major}.{props.minor}"
+    return info

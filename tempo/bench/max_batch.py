@@ -1,0 +1,194 @@
+"""``python -m tempo.bench max-batch``: the largest batch that fits, each probe in a fresh process.
+
+Search: double from ``--start`` until a probe fails (or ``--max`` is reached), then bisect
+between the largest batch that fitted and the smallest that did not. A probe that fails at
+``--start`` bisects downwards to 1. Every probe is a new subprocess, so an OOM (and the
+allocator state, the CUDA context, fragmentation it leaves) never affects the next probe.
+
+Two ways to probe:
+  * our training benchmark (default): ``python -m tempo.bench train <your flags> --batch-size N
+    --steps 3 --warmup 0``. With ``--memory-budget`` (on machines without a GPU) a probe fits
+    iff weights + gradients + optimizer states + ledger activations <= budget, computed in the
+    probe process by the same code (train_bench), which exits "out of memory (simulated ...)".
+  * ``--command "<any command line with {batch}>"``: exit status 0 = fits; a non-zero exit whose
+    output mentions an out-of-memory condition (see OOM_MARKERS) = does not fit; any other
+    failure stops the search and is reported (exit status 2), with the output's tail.
+
+Writes ``{"max_batch": N, "probes": [{"batch", "fits", "seconds"}, ...], ...}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+# Lower-cased substrings that identify "did not fit": PyTorch's CUDA/CPU OOM messages
+# ("CUDA out of memory", "OutOfMemoryError", our simulated one) and cuBLAS failing to allocate
+# its workspace, which is how an OOM inside a GEMM sometimes surfaces.
+OOM_MARKERS = ("out of memory", "outofmemoryerror", "cublas_status_alloc_failed")
+
+
+class ProbeError(Exception):
+    """A probe failed for a reason other than memory: the search cannot go on."""
+
+    def __init__(self, batch: int, message: str):
+        super().__init__(f"batch {batch}: {message}")
+        self.batch = batch
+        self.message = message
+
+
+@dataclass
+class Probe:
+    batch: int
+    fits: bool
+    seconds: float
+
+
+class SearchError(Exception):
+    def __init__(self, cause: ProbeError, probes: list[Probe]):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.probes = probes
+
+
+def search_max_batch(probe: Callable[[int], bool], start: int = 1, max_batch: int | None = None) -> tuple[int, list[Probe]]:
+    """Largest b in [1, max_batch] with probe(b) True, assuming "fits" is monotone in b.
+
+    Returns (answer, probes in order); answer 0 means not even batch 1 fits. A ProbeError from
+    ``probe`` is re-raised as SearchError carrying the probes made so far.
+    """
+    if start < 1:
+        raise ValueError("start must be >= 1")
+    if max_batch is not None and max_batch < 1:
+        raise ValueError("max_batch must be >= 1")
+    probes: list[Probe] = []
+
+    def run(b: int) -> bool:
+        t0 = time.perf_counter()
+        try:
+            fits = bool(probe(b))
+        except ProbeError as exc:
+            raise SearchError(exc, probes) from exc
+        probes.append(Probe(b, fits, time.perf_counter() - t0))
+        return fits
+
+    fitted, failed = 0, None  # largest known fit, smallest known failure
+    b = min(start, max_batch) if max_batch is not None else start
+    while True:
+        if run(b):
+            fitted = b
+            if max_batch is not None and b >= max_batch:
+                break
+            b = b * 2 if max_batch is None else min(b * 2, max_batch)
+        else:
+            failed = b
+            break
+    if failed is not None:
+        while failed - fitted > 1:
+            mid = (fitted + failed) // 2
+            if run(mid):
+                fitted = mid
+            else:
+                failed = mid
+    return fitted, probes
+
+
+def is_oom_output(text: str) -> bool:
+    lower = text.lower()
+    return any(marker in lower for marker in OOM_MARKERS)
+
+
+def command_probe(template: str, timeout: float | None = None, verbose: bool = True) -> Callable[[int], bool]:
+    """Probe running ``template`` (a shell command line) with {batch} replaced."""
+    if "{batch}" not in template:
+        raise ValueError("--command must contain {batch}")
+
+    def probe(batch: int) -> bool:
+        command = template.replace("{batch}", str(batch))
+        try:
+            proc = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ProbeError(batch, f"timed out after {timeout} s: {command}") from None
+        output = (proc.stdout or "") + (proc.stderr or "")
+        if proc.returncode == 0:
+            fits = True
+        elif is_oom_output(output):
+            fits = False
+        else:
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            raise ProbeError(batch, f"exit status {proc.returncode} (not an out-of-memory): {command}\n{tail}")
+        if verbose:
+            print(f"  batch {batch}: {'fits' if fits else 'out of memory'}", flush=True)
+        return fits
+
+    return probe
+
+
+def train_probe_template(train_argv: list[str]) -> str:
+    """The shell command of one training probe: 3 steps at {batch}, in a fresh interpreter."""
+    argv = [sys.executable, "-m", "tempo.bench", "train", *train_argv, "--steps", "3", "--warmup", "0"]
+    return " ".join(shlex.quote(a) for a in argv) + " --batch-size {batch}"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tempo.bench.train_bench import add_train_args
+
+    p.add_argument("--command", default=None,
+                   help='generic mode: a command line containing {batch}, e.g. "python run_squad.py --train_batch_size {batch}"')
+    p.add_argument("--start", type=int, default=1, help="first batch tried")
+    p.add_argument("--max", dest="max_batch", type=int, default=None, help="never try more than this")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per probe")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    add_train_args(p, with_batch_size=False)
+
+
+def main(args: argparse.Namespace) -> int:
+    from tempo.bench.results import write_json
+    from tempo.bench.train_bench import config_from_args, config_to_argv
+
+    if args.command is not None:
+        template = args.command
+    else:
+        cfg = config_from_args(args, steps=3, warmup=0)
+        cfg.validate()
+        argv = [a for a in config_to_argv(cfg)]
+        # batch size comes from {batch}; steps/warm-up are the probe's own
+        argv = _drop_flags(argv, ("--batch-size", "--steps", "--warmup"))
+        template = train_probe_template(argv)
+    print(f"max-batch: probing {template}", flush=True)
+    record = {"kind": "max_batch", "command": template, "start": args.start, "max": args.max_batch}
+    status = 0
+    try:
+        answer, probes = search_max_batch(command_probe(template, args.timeout), args.start, args.max_batch)
+        record["max_batch"] = answer
+        print(f"max-batch: largest batch that fits: {answer}"
+              + (" (the --max cap)" if args.max_batch is not None and answer == args.max_batch else ""))
+    except SearchError as exc:
+        probes = exc.probes
+        record["max_batch"] = None
+        record["error"] = str(exc)
+        print(f"max-batch: error: probe failed for a reason other than memory, search stopped:\n{exc}",
+              file=sys.stderr)
+        status = 2
+    record["probes"] = [asdict(p) for p in probes]
+    if args.out:
+        write_json(args.out, record)
+    return status
+
+
+def _drop_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        out.append(a)
+    return out

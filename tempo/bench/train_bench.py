@@ -1,0 +1,479 @@
+"""``python -m tempo.bench train``: a training-step benchmark on synthetic data.
+
+One run = build the model (ours, or HF's via hf_provider), the optimizer and a few synthetic
+batches already on the device (so the data pipeline is not what we time), then ``warmup``
+untimed steps and ``steps`` timed ones. Every step is synchronized and timed on its own, so the
+result carries the raw per-step times and their p20/p50/p80, not just a mean.
+
+Reported: samples/s (timed steps only), model TFLOPS and MFU (flops.py; against the dense peak
+of the detected GPU for the precision, hardware.py), allocator peaks, retries and OOMs (GPU),
+and the memory anatomy (anatomy.py). The activation ledger runs on extra forwards before the
+timed loop (at the micro-batch and, for the marginal per-sample cost, at batch 1), on the
+eager model: with --compile the compiled graph may keep different tensors (the allocator
+peak then tells the truth).
+
+``--memory-budget`` (for ``max-batch`` on machines without a GPU): after the first step, a run
+whose weights + gradients + optimizer states + ledger activations exceed the budget stops with
+"out of memory (simulated ...)" and exit status 3, the way a real OOM stops it on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tempo.bench import anatomy as anat
+from tempo.bench.flops import FORMULAS, bert_pretraining_flops, default_max_predictions, flops_per_sequence, mfu
+from tempo.bench.hardware import PRECISIONS, device_name, environment, peak_tflops
+from tempo.bench.timing import spread
+
+OPTIMIZERS = ("adamw", "adamw_fused", "lamb", "adafactor", "adamw8bit")
+ATTENTIONS = ("eager", "tempo", "sdpa")
+TEMPO_LAYER_KINDS = ("gelu", "layernorm", "attention")
+OOM_EXIT = 3
+
+
+class BenchError(Exception):
+    """A configuration this machine or checkout cannot run: reported in one line, exit 1."""
+
+
+class SimulatedOOM(Exception):
+    """--memory-budget exceeded (the CPU stand-in for CUDA's OutOfMemoryError)."""
+
+
+@dataclass
+class TrainBenchConfig:
+    model: str = "bert_large"        # our config name or JSON path, or hf:<size>/hf:<dir>
+    seq_len: int = 128
+    batch_size: int = 8              # micro-batch per device
+    max_predictions: int | None = None  # None: 15% of seq_len, rounded up to a multiple of 4
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    grad_ckpt: bool = False
+    grad_accum: int = 1
+    steps: int = 20                  # timed steps
+    warmup: int = 5                  # untimed steps before them
+    tempo_layers: str = ""           # comma list of gelu,layernorm,attention
+    attention: str | None = None     # None: "tempo" when attention is a Tempo layer, else eager
+    compile: bool = False
+    device: str | None = None        # None: cuda when available (per local rank), else cpu
+    seed: int = 1234
+    memory_budget: int | None = None
+    flops_formula: str = "gemm"
+    peak_tflops: float | None = None  # override the table (e.g. an unknown GPU)
+    hf_head: str = "pretraining"
+
+    @property
+    def predictions(self) -> int:
+        return self.max_predictions if self.max_predictions is not None else default_max_predictions(self.seq_len)
+
+    @property
+    def tempo_kinds(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.tempo_layers.split(",") if k.strip())
+
+    @property
+    def attention_impl(self) -> str:
+        if self.attention is not None:
+            return self.attention
+        return "tempo" if "attention" in self.tempo_kinds else "eager"
+
+    def validate(self) -> None:
+        for name in ("seq_len", "batch_size", "grad_accum", "steps"):
+            if getattr(self, name) <= 0:
+                raise BenchError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise BenchError("--warmup cannot be negative")
+        if self.precision not in PRECISIONS:
+            raise BenchError(f"--precision must be one of {PRECISIONS}")
+        if self.optimizer not in OPTIMIZERS:
+            raise BenchError(f"--optimizer must be one of {OPTIMIZERS}")
+        unknown = set(self.tempo_kinds) - set(TEMPO_LAYER_KINDS)
+        if unknown:
+            raise BenchError(f"--tempo-layers: unknown kind(s) {sorted(unknown)}; choose from {TEMPO_LAYER_KINDS}")
+        if self.attention_impl not in ATTENTIONS:
+            raise BenchError(f"--attention must be one of {ATTENTIONS}")
+        if not 0 < self.predictions <= self.seq_len:
+            raise BenchError("--max-predictions must be in [1, seq-len]")
+        if self.flops_formula not in FORMULAS:
+            raise BenchError(f"--flops-formula must be one of {FORMULAS}")
+
+
+# -- command line, shared by train / max-batch / sweep / profile --------------------------------
+def add_train_args(p: argparse.ArgumentParser, with_batch_size: bool = True) -> None:
+    d = TrainBenchConfig()
+    p.add_argument("--model", default=d.model,
+                   help="bert_tiny/mini/base/large, a config JSON, hf:bert-large or hf:<local dir>")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    if with_batch_size:
+        p.add_argument("--batch-size", type=int, default=d.batch_size, help="micro-batch per device")
+    p.add_argument("--max-predictions", type=int, default=None, help="MLM positions (default 15%% of seq-len)")
+    p.add_argument("--precision", choices=PRECISIONS, default=d.precision)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per encoder layer")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
+    p.add_argument("--tempo", action="store_true", help="all Tempo layers (= --tempo-layers gelu,layernorm,attention)")
+    p.add_argument("--tempo-layers", default="", help="comma list of Tempo layer kinds: gelu,layernorm,attention")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="attention core (default: tempo when Tempo attention is on, else eager)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--memory-budget", type=anat.parse_bytes, default=None,
+                   help="simulate OOM above this many bytes of weights+grads+states+activations (e.g. 2GiB)")
+    p.add_argument("--flops-formula", choices=FORMULAS, default=d.flops_formula)
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU when the GPU is not in the table")
+    p.add_argument("--hf-head", choices=("pretraining", "mlm"), default=d.hf_head)
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainBenchConfig:
+    names = {f.name for f in fields(TrainBenchConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if getattr(args, "tempo", False):
+        values["tempo_layers"] = ",".join(TEMPO_LAYER_KINDS)
+    values.update(overrides)
+    return TrainBenchConfig(**values)
+
+
+def config_to_argv(cfg: TrainBenchConfig) -> list[str]:
+    """The ``train`` flags that rebuild ``cfg`` (for the subprocess probes of max-batch/sweep)."""
+    argv: list[str] = []
+    defaults = TrainBenchConfig()
+    for f in fields(TrainBenchConfig):
+        value = getattr(cfg, f.name)
+        if value == getattr(defaults, f.name) and f.name not in ("model", "batch_size", "seq_len"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif value is not None and value != "":
+            argv += [flag, str(value)]
+    return argv
+
+
+# -- building blocks -----------------------------------------------------------------------------
+def configs_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_our_config(name: str):
+    from tempo.bert.config import BertConfig
+
+    path = Path(name)
+    if not path.suffix:
+        path = configs_dir() / f"{name}.json"
+    if not path.is_file():
+        choices = sorted(p.stem for p in configs_dir().glob("bert_*.json"))
+        raise BenchError(f"--model {name!r}: no such config file (ours: {', '.join(choices)}; or hf:...)")
+    return BertConfig.from_json_file(path)
+
+
+def synthetic_batches(vocab_size: int, batch: int, seq_len: int, predictions: int, device: torch.device,
+                      count: int = 2, seed: int = 0, hf_labels: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``count`` random pretraining batches in DLE's layout, already on ``device``.
+
+    Every token is real (no padding), as packed pretraining data is; masked positions are
+    distinct and sorted per sequence; labels are never -1, so the MLM loss covers all of them.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        positions = torch.rand(batch, seq_len, generator=g).argsort(dim=1)[:, :predictions].sort(dim=1).values
+        segment = (torch.arange(seq_len) >= seq_len // 2).long().expand(batch, seq_len)
+        b = {
+            "input_ids": torch.randint(0, vocab_size, (batch, seq_len), generator=g),
+            "segment_ids": segment.contiguous(),
+            "input_mask": torch.ones(batch, seq_len, dtype=torch.long),
+            "masked_lm_positions": positions,
+            "masked_lm_labels": torch.randint(0, vocab_size, (batch, predictions), generator=g),
+            "next_sentence_labels": torch.randint(0, 2, (batch,), generator=g),
+        }
+        if hf_labels:
+            from tempo.bench.hf_provider import hf_labels as make_labels
+
+            b["hf_labels"] = make_labels(b)
+        out.append({k: v.to(device) for k, v in b.items()})
+    return out
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module
+    config: Any
+    loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    provider: str          # "tempo" (ours) or "hf"
+    mlm_positions: int     # positions the MLM head runs on, per sequence
+    nsp: bool
+
+
+def build_model(cfg: TrainBenchConfig) -> BuiltModel:
+    from tempo.bench import hf_provider
+
+    if hf_provider.is_hf_model(cfg.model):
+        if cfg.tempo_kinds or cfg.attention_impl == "tempo":
+            raise BenchError("Tempo layers apply to our model only; HF models take --attention eager|sdpa")
+        try:
+            model, config = hf_provider.build_hf_model(cfg.model, cfg.attention_impl, cfg.hf_head, cfg.grad_ckpt)
+        except hf_provider.ProviderError as exc:
+            raise BenchError(str(exc)) from None
+        head = cfg.hf_head
+        return BuiltModel(model, config, lambda m, b: hf_provider.hf_loss(m, b, head), "hf",
+                          mlm_positions=cfg.seq_len, nsp=head == "pretraining")
+
+    from tempo.bert.model import BertForPreTraining, TempoOptions
+
+    config = resolve_our_config(cfg.model)
+    kinds = cfg.tempo_kinds
+    options = TempoOptions(gelu="gelu" in kinds, layernorm="layernorm" in kinds, attention=cfg.attention_impl)
+    try:
+        model = BertForPreTraining(config, options, checkpoint_activations=cfg.grad_ckpt)
+    except ImportError as exc:  # a Tempo layer not in this checkout yet
+        raise BenchError(f"Tempo layers {kinds} cannot be built here ({exc}); choose other --tempo-layers") from None
+
+    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return m(input_ids=b["input_ids"], token_type_ids=b["segment_ids"], attention_mask=b["input_mask"],
+                 masked_lm_positions=b["masked_lm_positions"], masked_lm_labels=b["masked_lm_labels"],
+                 next_sentence_labels=b["next_sentence_labels"]).loss
+
+    return BuiltModel(model, config, loss_fn, "tempo", mlm_positions=cfg.predictions, nsp=True)
+
+
+def build_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    from tempo.bert.optim import bert_param_groups, make_optimizer
+
+    groups = bert_param_groups(model, weight_decay=0.01)
+    if name in ("adamw", "adamw_fused", "lamb"):
+        return make_optimizer(name, groups, lr=lr)
+    if name == "adafactor":
+        if not hasattr(torch.optim, "Adafactor"):
+            raise BenchError(f"--optimizer adafactor: torch {torch.__version__} has no torch.optim.Adafactor")
+        return torch.optim.Adafactor(groups, lr=lr)
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise BenchError("--optimizer adamw8bit needs bitsandbytes, which is not installed") from None
+        return bnb.optim.AdamW8bit(groups, lr=lr)
+    raise BenchError(f"unknown optimizer {name!r}")
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision in ("bf16", "fp16"):
+        if precision == "fp16" and device.type != "cuda":
+            raise BenchError("--precision fp16 needs a CUDA GPU; use bf16 on the CPU")
+        return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return contextlib.nullcontext()
+
+
+def _ledger_bytes(built: BuiltModel, batch: dict[str, torch.Tensor], precision: str, device: torch.device) -> int:
+    """Bytes autograd keeps for one forward of ``batch`` (the graph is dropped unused)."""
+    from tempo.memory import ActivationLedger
+
+    with ActivationLedger(built.model) as ledger, _autocast(precision, device):
+        built.loss_fn(built.model, batch)
+    return ledger.activation_bytes
+
+
+def _slice_batch(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    return {k: v[:n] for k, v in batch.items()}
+
+
+# -- the run -------------------------------------------------------------------------------------
+def available_tempo_kinds() -> tuple[str, ...]:
+    """Tempo layer kinds this checkout can build (a colleague's layer may not be merged yet)."""
+    import importlib
+
+    modules = {"gelu": "tempo.inplace_gelu", "layernorm": "tempo.inplace_layernorm", "attention": "tempo.combined"}
+    kinds = []
+    for kind, module in modules.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            continue
+        kinds.append(kind)
+    return tuple(kinds)
+
+
+def run_train_bench(cfg: TrainBenchConfig, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark in this process; returns the result record (see module docstring).
+
+    ``on_step(i)`` is called after every step (the profiler's step hook).
+    """
+    from tempo.bert.runtime import setup_runtime, teardown_runtime
+
+    cfg.validate()
+    if cfg.device not in (None, "cpu", "cuda"):
+        raise BenchError("--device must be cpu or cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA GPU visible")
+    rt = setup_runtime(force_cpu=cfg.device == "cpu")
+    try:
+        return _run(cfg, rt, on_step)
+    finally:
+        teardown_runtime(rt)
+
+
+def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> dict[str, Any]:
+    device = rt.device
+    torch.backends.cuda.matmul.allow_tf32 = cfg.precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = cfg.precision == "tf32"
+    torch.manual_seed(cfg.seed)
+    built = build_model(cfg)
+    model = built.model.to(device).train()
+    optimizer = build_optimizer(cfg.optimizer, model, cfg.lr)
+    scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+    batches = synthetic_batches(built.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.predictions, device,
+                                count=2, seed=cfg.seed + rt.rank, hf_labels=built.provider == "hf")
+
+    # Ledger first, on the eager model, before the allocator peak is reset.
+    activations = _ledger_bytes(built, batches[0], cfg.precision, device)
+    per_sample = fixed = None
+    if cfg.batch_size > 1:
+        one = _ledger_bytes(built, _slice_batch(batches[0], 1), cfg.precision, device)
+        per_sample = (activations - one) / (cfg.batch_size - 1)
+        fixed = int(round(activations - per_sample * cfg.batch_size))
+
+    train_model: nn.Module = model
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        train_model = DDP(model, device_ids=[rt.local_rank] if device.type == "cuda" else None)
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    weights = anat.weight_bytes(model)
+    grads = states = 0
+    step_times: list[float] = []
+    loss_value = float("nan")
+    for step in range(cfg.warmup + cfg.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        for micro in range(cfg.grad_accum):
+            batch = batches[(step * cfg.grad_accum + micro) % len(batches)]
+            sync_ctx = (train_model.no_sync() if rt.distributed and micro < cfg.grad_accum - 1
+                        and hasattr(train_model, "no_sync") else contextlib.nullcontext())
+            with sync_ctx:
+                with _autocast(cfg.precision, device):
+                    loss = built.loss_fn(train_model, batch) / cfg.grad_accum
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if step == 0:
+            grads = anat.gradient_bytes(model)
+            states = anat.optimizer_state_bytes(optimizer)
+            if cfg.memory_budget is not None:
+                needed = weights + grads + states + activations
+                if needed > cfg.memory_budget:
+                    raise SimulatedOOM(f"out of memory (simulated): batch {cfg.batch_size} needs "
+                                       f"{anat.format_bytes(needed)} of weights+grads+states+activations, "
+                                       f"budget {anat.format_bytes(cfg.memory_budget)}")
+        optimizer.zero_grad(set_to_none=True)
+        if step == cfg.warmup + cfg.steps - 1:
+            loss_value = loss.item() * cfg.grad_accum
+        _sync(device)
+        step_times.append(time.perf_counter() - t0)
+        if on_step is not None:
+            on_step(step)
+
+    timed = step_times[cfg.warmup:]
+    samples_per_step = cfg.batch_size * cfg.grad_accum * rt.world_size
+    samples_per_s = len(timed) * samples_per_step / sum(timed) if timed and sum(timed) > 0 else float("nan")
+    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    flop_parts = bert_pretraining_flops(built.config, cfg.seq_len, built.mlm_positions, nsp=built.nsp,
+                                        grad_ckpt=cfg.grad_ckpt)
+    per_seq = flops_per_sequence(cfg.flops_formula, built.config, cfg.seq_len, built.mlm_positions, nsp=built.nsp,
+                                 grad_ckpt=cfg.grad_ckpt, num_parameters=num_params)
+    tflops = per_seq * samples_per_s / 1e12
+    tflops_per_device = tflops / rt.world_size
+    name = device_name(device)
+    peak = cfg.peak_tflops if cfg.peak_tflops is not None else (
+        peak_tflops(name, cfg.precision) if device.type == "cuda" else None)
+
+    memory: dict[str, Any] = {}
+    peak_alloc = None
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        peak_alloc = torch.cuda.max_memory_allocated(device)
+        memory = {"peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+                  "num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0)}
+    else:
+        from tempo.bert.runtime import peak_memory_bytes
+
+        memory = peak_memory_bytes(device)
+    anatomy = anat.MemoryAnatomy(weights=weights, gradients=grads, optimizer_states=states, activations=activations,
+                                 activations_fixed=fixed, activations_per_sample=per_sample,
+                                 peak_allocated=peak_alloc,
+                                 activations_source="eager ledger" if cfg.compile else "ledger")
+    return {
+        "kind": "train",
+        "config": asdict(cfg),
+        "tempo_layers": list(cfg.tempo_kinds),
+        "attention": cfg.attention_impl,
+        "max_predictions": cfg.predictions,
+        "env": environment(device),
+        "provider": built.provider,
+        "num_parameters": num_params,
+        "world_size": rt.world_size,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * cfg.seq_len,
+        "step_time_ms": {k: v * 1000 for k, v in spread(timed).items()},
+        "step_times_s": step_times,
+        "warmup_steps": cfg.warmup,
+        "flops": {"formula": cfg.flops_formula, "per_sequence": per_seq, "gemm_breakdown": flop_parts},
+        "model_tflops": tflops,
+        "model_tflops_per_device": tflops_per_device,
+        "peak_tflops": peak,
+        "mfu": mfu(tflops_per_device, peak),
+        "memory": memory,
+        "anatomy": anatomy.to_dict(),
+        "final_loss": loss_value,
+        "is_main": rt.is_main,
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def format_summary(r: dict[str, Any]) -> str:
+    c = r["config"]
+    a = r["anatomy"]
+    mfu_text = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "- (no peak for this device)"
+    t = r["step_time_ms"]
+    lines = [
+        f"model {c['model']} ({r['provider']}), s={c['seq_len']}, micro-batch {c['batch_size']} x accum "
+        f"{c['grad_accum']} x world {r['world_size']}, {c['precision']}, {c['optimizer']}, "
+        f"tempo [{','.join(r['tempo_layers']) or '-'}], attention {r['attention']}, "
+        f"grad_ckpt {c['grad_ckpt']}, compile {c['compile']}, {r['env']['device_name']}",
+        f"  {r['samples_per_s']:.2f} samples/s | step p20/p50/p80 {t['p20']:.1f}/{t['p50']:.1f}/{t['p80']:.1f} ms "
+        f"| {r['model_tflops_per_device']:.2f} TFLOPS/device ({r['flops']['per_sequence'] / 1e9:.1f} GFLOP/seq, "
+        f"{r['flops']['formula']}) | MFU {mfu_text}",
+        f"  memory: weights {anat.format_bytes(a['weights'])}, grads {anat.format_bytes(a['gradients'])}, "
+        f"optimizer {anat.format_bytes(a['optimizer_states'])}, activations {anat.format_bytes(a['activations'])}, "
+        f"temporaries {anat.format_bytes(a['temporaries'])}",
+    ]
+    m = r["memory"]
+    if "peak_allocated_bytes" in m:
+        lines.append(f"  peak allocated {anat.format_bytes(m['peak_allocated_bytes'])}, reserved "
+                     f"{anat.format_bytes(m['peak_reserved_bytes'])}, alloc retries {m['num_alloc_retries']}, "
+                     f"OOMs {m['num_ooms']}")
+    lines.append(f"  final loss {r['final_loss']:.4f}")
+    return "\n".join(lines)
