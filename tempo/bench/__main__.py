@@ -26,8 +26,8 @@ SUBCOMMANDS = {
     "sweep": ("tempo.bench.sweep", "batch-size sweep and technique matrix"),
     "layer": ("tempo.bench.layer_bench", "one encoder layer: ours vs HF"),
     "ops": ("tempo.bench.ops_bench", "each Tempo op vs eager and compiled PyTorch"),
-    #"profile": ("tempo.bench.profile", "torch.profiler over train steps"),
-    #"report": ("tempo.bench.report", "plots and markdown from a results directory"),
+    "profile": ("tempo.bench.profile", "torch.profiler over train steps"),
+    "report": ("tempo.bench.report", "plots and markdown from a results directory"),
 }
 
 

@@ -188,4 +188,4 @@ def _format_row(row: dict[str, Any], modes: tuple[str, ...]) -> str:
         return f"{head} {row['status']}: {row.get('message', '')}"
     return head + "  ".join(
         f" {m} {row[m]['ms']['p20']:.3f}/{row[m]['ms']['p50']:.3f}/{row[m]['ms']['p80']:.3f} ms "
-        f"{row[m]["gb_per_s"]:.1f} GB/s ({row[m]['of_copy_bandwidth']:.0%})" for m in modes)
+        f"{row[m]['gb_per_s']:.1f} GB/s ({row[m]['of_copy_bandwidth']:.0%})" for m in modes)
