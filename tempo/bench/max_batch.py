@@ -156,9 +156,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         cfg = config_from_args(args, steps=3, warmup=0)
         cfg.validate()
-        argv = [a for a in config_to_argv(cfg)]
         # batch size comes from {batch}; steps/warm-up are the probe's own
-        argv = _drop_flags(argv, ("--batch-size", "--steps", "--warmup"))
+        argv = _drop_flags(config_to_argv(cfg), ("--batch-size", "--steps", "--warmup"))
         template = train_probe_template(argv)
     print(f"max-batch: probing {template}", flush=True)
     record = {"kind": "max_batch", "command": template, "start": args.start, "max": args.max_batch}

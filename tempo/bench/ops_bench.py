@@ -23,10 +23,9 @@ hardware.measure_copy_bandwidth); "of copy" is GB/s / that figure.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tempo.bench.timing import spread, time_fn
