@@ -1,0 +1,174 @@
+"""Tempo's Combined attention as a transformers attention implementation named "tempo".
+
+Models whose attention layers dispatch through ``ALL_ATTENTION_FUNCTIONS`` (BERT, RoBERTa,
+ELECTRA, DistilBERT, GPT-2, Llama, ... in recent transformers) call the function registered under
+``config._attn_implementation``. ``register_tempo_attention()`` registers
+
+  * ``tempo_attention_forward`` with ``AttentionInterface``: scores = q·kᵀ·scaling + mask, then
+    ``combined_softmax_dropout_matmul`` with v, which keeps only the softmax output, v and a seed
+    for backward (eager attention also keeps the dropout mask and the dropout output);
+  * the mask function eager attention uses with ``AttentionMaskInterface``. Without it,
+    transformers 5.x builds no mask at all for an unknown implementation name: padding would be
+    silently ignored.
+
+Versions: ``AttentionInterface`` appeared in transformers 4.50 and ``AttentionMaskInterface`` in
+4.53; before 4.53 each model builds its own eager-style additive mask, so registering the
+attention function is enough there. BERT-family models dispatch through the interface from about
+4.54 (DistilBERT a little later); ``model_dispatches_attention`` checks the model's own source
+instead of trusting a version number. Tested with transformers 5.23; the 4.5x paths (no mask
+interface, GPT-2 layers that apply their causal mask inside eager attention) are written from
+those versions' APIs but not run here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from tempo.ops.combined import combined_softmax_dropout_matmul
+
+TEMPO_ATTENTION = "tempo"
+MIN_ATTENTION_INTERFACE_VERSION = "4.50"
+MIN_MASK_INTERFACE_VERSION = "4.53"
+
+
+def transformers_version() -> Optional[str]:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
+def _attention_interface():
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:
+        return None
+    return AttentionInterface
+
+
+def _mask_interface():
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        return None
+    return AttentionMaskInterface
+
+
+def require_attention_interface() -> None:
+    """Raise ImportError unless transformers can dispatch to a registered attention function."""
+    version = transformers_version()
+    if version is None:
+        raise ImportError("Tempo attention for HF models needs transformers "
+                          f">= {MIN_ATTENTION_INTERFACE_VERSION}, which is not installed; "
+                          "apply_tempo(model, attention=False) still patches GELU and LayerNorm")
+    if _attention_interface() is None:
+        raise ImportError(f"Tempo attention needs transformers >= {MIN_ATTENTION_INTERFACE_VERSION} "
+                          f"(AttentionInterface); transformers {version} is installed. "
+                          "apply_tempo(model, attention=False) still patches GELU and LayerNorm")
+
+
+def register_tempo_attention() -> None:
+    """Register "tempo" with the attention (and, where it exists, the mask) interface. Idempotent."""
+    require_attention_interface()
+    _attention_interface().register(TEMPO_ATTENTION, tempo_attention_forward)
+    masks = _mask_interface()
+    if masks is not None:
+        # Whatever eager uses in this version: a 4D additive float mask (0 / dtype min).
+        masks.register(TEMPO_ATTENTION, masks._global_mapping["eager"])
+
+
+def model_dispatches_attention(model: nn.Module) -> bool:
+    """True when every HF modeling module in ``model`` routes attention through the interface.
+
+    The same source heuristic transformers uses for ``set_attn_implementation``: a modeling file
+    that defines attention layers but never calls ``ALL_ATTENTION_FUNCTIONS`` computes attention
+    itself and would ignore ``config._attn_implementation``.
+    """
+    checked: set[str] = set()
+    for module in model.modules():
+        name = type(module).__module__
+        if name in checked or not name.startswith("transformers.models."):
+            continue
+        checked.add(name)
+        if "Attention" not in type(module).__name__:
+            continue
+        try:
+            source = inspect.getsource(sys.modules[name])
+        except (OSError, TypeError, KeyError):
+            return False
+        if "ALL_ATTENTION_FUNCTIONS" not in source:
+            return False
+    return True
+
+
+def _default_scaling(module: nn.Module, head_dim: int) -> float:
+    # GPT-2 in transformers 4.4x did not pass `scaling`: it is implied by these attributes.
+    if hasattr(module, "scale_attn_weights"):
+        scaling = head_dim ** -0.5 if module.scale_attn_weights else 1.0
+        if getattr(module, "scale_attn_by_inverse_layer_idx", False):
+            scaling /= float(module.layer_idx + 1)
+        return scaling
+    return head_dim ** -0.5
+
+
+def tempo_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                            attention_mask: Optional[Tensor], scaling: Optional[float] = None,
+                            dropout: float = 0.0, head_mask: Optional[Tensor] = None,
+                            **kwargs: Any) -> tuple[Tensor, None]:
+    """Attention with Combined softmax -> dropout -> matmul; the AttentionInterface signature.
+
+    query/key/value are [batch, heads, length, head_dim]; returns ([batch, q_len, heads, head_dim],
+    None): attention probabilities are never materialised for the caller.
+    """
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if scaling is None:
+        scaling = _default_scaling(module, query.shape[-1])
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+
+    if attention_mask is not None:
+        mask = attention_mask
+        if mask.dim() == 4:
+            mask = mask[:, :, :, : key.shape[-2]]
+        if mask.dtype == torch.bool:  # True = attend, as sdpa masks
+            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill(
+                ~mask, torch.finfo(scores.dtype).min)
+        scores = scores + mask
+
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", False)
+    q_len, k_len = scores.shape[-2], scores.shape[-1]
+    if is_causal and q_len > 1:
+        # Usually already in the mask; setting it again is a no-op there (score + min rounds to
+        # min), and it covers versions whose eager attention applied causality itself.
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).triu(k_len - q_len + 1)
+        scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+
+    out = combined_softmax_dropout_matmul(scores, value, dim=-1, p=float(dropout), training=module.training)
+    if head_mask is not None:
+        # Eager multiplies the probabilities by a per-(batch, head) factor; on the output it is the same.
+        if head_mask.dim() < 2 or head_mask.shape[-1] != 1 or head_mask.shape[-2] != 1:
+            raise ValueError(f"tempo attention: head_mask of shape {tuple(head_mask.shape)} is not "
+                             "per head; only [.., heads, 1, 1] masks are supported")
+        out = out * head_mask
+    return out.transpose(1, 2).contiguous(), None
+
+
+__all__ = [
+    "TEMPO_ATTENTION",
+    "MIN_ATTENTION_INTERFACE_VERSION",
+    "MIN_MASK_INTERFACE_VERSION",
+    "register_tempo_attention",
+    "require_attention_interface",
+    "model_dispatches_attention",
+    "tempo_attention_forward",
+]
