@@ -22,6 +22,7 @@ differences worth knowing:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -34,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from tempo.bert.dllog import JsonLogger
+from tempo.memory import ActivationLedger
 from tempo.bert.runtime import (
     Runtime,
     UsageError,
@@ -157,31 +159,34 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _restore(args, model, optimizer, scheduler, scaler, batches) -> tuple[int, Path | None]:
-    """Apply --resume_from_checkpoint / --init_checkpoint. Returns (step of this phase, ckpt)."""
-    from tempo.bert.checkpointing import checkpoint_dir_for_step, latest_checkpoint, load_checkpoint
+def _restore(args, model, optimizer, scheduler, scaler, batches) -> tuple[int, Path | None, bool]:
+    """Apply --resume_from_checkpoint / --init_checkpoint.
+
+    Returns (step of this phase, checkpoint used, whether this run starts phase 2 from phase 1).
+    """
+    from tempo.bert.checkpointing import latest_checkpoint, list_checkpoints, load_checkpoint
 
     if args.resume_from_checkpoint:
         if args.resume_step >= 0:
-            ckpt = checkpoint_dir_for_step(args.output_dir, args.resume_step)
-            if not ckpt.is_dir():
-                raise UsageError(f"--resume_step {args.resume_step}: no checkpoint {ckpt}")
+            by_step = dict(list_checkpoints(args.output_dir))
+            if args.resume_step not in by_step:
+                raise UsageError(f"--resume_step {args.resume_step}: no complete checkpoint of that step in "
+                                 f"{args.output_dir} (found steps {sorted(by_step) or 'none'})")
+            ckpt = by_step[args.resume_step]
         else:
             ckpt = latest_checkpoint(args.output_dir)
         if ckpt is not None:
             state = load_checkpoint(ckpt, model, optimizer, scheduler, scaler)
             extra = state.get("extra") or {}
             if args.phase2 and extra.get("phase", 1) == 1:
-                # Phase 1 -> 2: keep weights and LAMB moments, restart schedule, step and data.
-                for group in optimizer.param_groups:
-                    group["lr"] = args.learning_rate
-                    group["initial_lr"] = args.learning_rate
-                scheduler.last_epoch = 0
+                # Phase 1 -> 2: keep weights and LAMB moments; the caller restarts the schedule,
+                # and the step counters restart here (bias correction too), as DLE does.
+                _reset_optimizer_steps(optimizer)
                 print(f"{PROG}: starting phase 2 from phase-1 checkpoint {ckpt}")
-                return 0, ckpt
+                return 0, ckpt, True
             if state.get("data_state") is not None:
                 batches.load_state_dict(state["data_state"])
-            return int(extra.get("phase_step", state["step"])), ckpt
+            return int(extra.get("phase_step", state["step"])), ckpt, False
         warnings.warn(f"--resume_from_checkpoint: no checkpoint in {args.output_dir}; starting fresh",
                       stacklevel=1)
     if args.init_checkpoint:
@@ -189,7 +194,16 @@ def _restore(args, model, optimizer, scheduler, scaler, batches) -> tuple[int, P
 
         load_pretrained(model, args.init_checkpoint)
         print(f"{PROG}: initialised weights from {args.init_checkpoint}")
-    return 0, None
+    return 0, None, False
+
+
+def _reset_optimizer_steps(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        if "step" in group:  # LAMB counts per group
+            group["step"] = 0
+    for state in optimizer.state.values():  # torch's AdamW counts per parameter
+        if "step" in state:
+            state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,13 +234,22 @@ def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
     model = BertForPreTraining(config, options, checkpoint_activations=args.checkpoint_activations)
     model.to(rt.device)
     optimizer = make_optimizer(args.optimizer, bert_param_groups(model, args.weight_decay), lr=args.learning_rate)
-    scheduler = PolyWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=args.max_steps)
+    def new_schedule() -> Any:
+        return PolyWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=args.max_steps,
+                                   base_lr=args.learning_rate)
+
+    scheduler = new_schedule()
     scaler = make_grad_scaler(precision, rt.device)
     batches = make_batches(args, config, rt)
-    step, resumed_from = _restore(args, model, optimizer, scheduler, scaler, batches)
-    if resumed_from is None:
-        # Dropout streams differ per rank; a resumed run got its RNG state from the checkpoint.
-        seed_everything(args.seed + 1000 * rt.rank)
+    step, resumed_from, starts_phase2 = _restore(args, model, optimizer, scheduler, scaler, batches)
+    if starts_phase2:
+        scheduler = new_schedule()  # phase 1's schedule was restored with the checkpoint
+    if resumed_from is None or starts_phase2:
+        seed_everything(args.seed + 1000 * rt.rank)  # dropout streams differ per rank
+    elif rt.rank > 0:
+        # Only rank 0's RNG state is checkpointed: other ranks re-derive theirs from the step,
+        # so their dropout after a resume differs from an uninterrupted run (rank 0's does not).
+        seed_everything(args.seed + 1000 * rt.rank + step)
 
     train_model = model
     if rt.distributed:
@@ -265,6 +288,7 @@ def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
     data_iter = iter(batches)
     progress = tqdm(total=steps_left, disable=args.disable_progress_bar or not rt.is_main,
                     desc="pretraining", unit="step", dynamic_ncols=True)
+    activation_bytes: int | None = None
     losses: list[float] = []
     step_times: list[float] = []
     timed_start = None
@@ -278,24 +302,32 @@ def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
         for micro in range(args.gradient_accumulation_steps):
             batch = _to_device(next(data_iter), rt.device)
             last_micro = micro == args.gradient_accumulation_steps - 1
+            # The very first micro-batch runs under the activation ledger: the bytes autograd
+            # keeps for backward are part of the summary (hooks only, no change to the math).
+            ledger = ActivationLedger(model) if activation_bytes is None else contextlib.nullcontext()
             with no_sync_if(train_model, rt.distributed and not last_micro):
-                with autocast_context(precision, rt.device):
+                with ledger, autocast_context(precision, rt.device):
                     out = train_model(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
                                       attention_mask=batch["input_mask"],
                                       masked_lm_positions=batch["masked_lm_positions"],
                                       masked_lm_labels=batch["masked_lm_labels"],
                                       next_sentence_labels=batch["next_sentence_labels"])
-                loss = out.loss / args.gradient_accumulation_steps  # mean over the whole step
+                    loss = out.loss / args.gradient_accumulation_steps  # mean over the whole step
+                if activation_bytes is None:
+                    activation_bytes = ledger.activation_bytes
                 (scaler.scale(loss) if scaler else loss).backward()
             step_loss += loss.detach()
             step_mlm += out.mlm_loss.detach() / args.gradient_accumulation_steps
         if scaler is not None:
             scaler.unscale_(optimizer)  # LAMB clips the true gradient norm
+            scale_before = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
+            stepped = scaler.get_scale() >= scale_before  # the scale drops exactly on skipped steps
         else:
-            optimizer.step()
-        scheduler.step()
+            stepped = optimizer.step() is not False  # LAMB returns False on non-finite gradients
+        if stepped:
+            scheduler.step()  # as DLE: the schedule follows the steps actually taken
         optimizer.zero_grad(set_to_none=True)
         step += 1
         steps_done += 1
@@ -344,6 +376,8 @@ def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
         "precision": precision,
         "tempo_options": str(options),
         "skipped_steps": getattr(optimizer, "skipped_steps", 0),
+        "micro_batch_size": args.train_batch_size // args.gradient_accumulation_steps,
+        "activation_bytes_per_micro_batch": activation_bytes,
         "stopped_by_sigterm": bool(stop.requested),
         **peak_memory_bytes(rt.device),
     }

@@ -29,9 +29,10 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [UsageError, FileNotFoundError, PermissionError, IsADirectoryError]
     for module, name in (
         ("tempo.bert.config", "ConfigError"),
+        ("tempo.bert.data.tokenization", "DataError"),  # base of the data pipeline's errors
         ("tempo.bert.data.pretraining_dataset", "ShardError"),
         ("tempo.bert.checkpointing", "CheckpointError"),
-        ("tempo.bert.hf_interop", "CheckpointFormatError"),
+        ("tempo.bert.hf_interop", "CheckpointError"),
         ("tempo.bert.data.squad", "SquadFormatError"),
     ):
         try:

@@ -1,0 +1,150 @@
+"""The main job on an embedded default: text -> shards -> pretraining, original vs Tempo.
+
+    python -m tempo                      # everything under out/demo, a few minutes on 2 CPU cores
+    python -m tempo --steps 50 --quick   # a smoke run
+
+1. writes the project's own generated corpus (no download) in DLE's text layout;
+2. trains a WordPiece vocabulary on it and builds DLE-format HDF5 shards;
+3. pretrains the same small BERT twice with run_pretraining.py, once with the original layers
+   and once with Tempo's, each in its own process so that peak memory is per run;
+4. prints a side-by-side table: bytes autograd kept for backward (activation ledger), peak
+   memory, sequences per second, final loss.
+Runs on the GPU when there is one (bf16), else on the CPU (fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tempo.bert.dllog import read_dllog
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {"original": ["--no-tempo", "--attention", "eager"], "tempo": ["--tempo", "--attention", "tempo"]}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_dataset(work: Path, num_documents: int, vocab_size: int, seq_len: int, seed: int) -> tuple[Path, Path]:
+    from tempo.bert.data.create_pretraining_data import create_shards
+    from tempo.bert.data.sample_corpus import write_sample_corpus
+    from tempo.bert.data.tokenization import train_wordpiece_vocab
+
+    text_dir, shard_dir, vocab_file = work / "text", work / f"shards_s{seq_len}", work / "vocab.txt"
+    text_files = write_sample_corpus(text_dir, num_documents=num_documents, seed=seed)
+    if not vocab_file.exists():
+        train_wordpiece_vocab(text_files, vocab_size, vocab_file)
+    if not any(shard_dir.glob("*.hdf5")):
+        create_shards(text_dir, shard_dir, vocab_file, max_seq_length=seq_len,
+                      max_predictions_per_seq=max(2, seq_len * 15 // 100), dupe_factor=2,
+                      num_shards=4, random_seed=seed)
+    return shard_dir, vocab_file
+
+
+def write_demo_config(work: Path, vocab_file: Path, base_config: Path) -> Path:
+    """The tiny BERT config with the vocabulary we just trained."""
+    config = json.loads(base_config.read_text())
+    with open(vocab_file, encoding="utf-8") as fh:
+        config["vocab_size"] = sum(1 for line in fh if line.strip())
+    path = work / "bert_demo_config.json"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def run_variant(name: str, work: Path, shard_dir: Path, config: Path, vocab: Path, args: argparse.Namespace,
+                on_gpu: bool) -> dict[str, Any]:
+    out_dir = work / f"run_{name}"
+    log = out_dir / "dllogger.json"
+    if log.exists():
+        log.unlink()  # a fresh log per demo run; checkpoints of earlier runs are ignored below
+    cmd = [sys.executable, str(REPO_ROOT / "run_pretraining.py"),
+           "--input_dir", str(shard_dir), "--config_file", str(config), "--vocab_file", str(vocab),
+           "--output_dir", str(out_dir), "--json-summary", str(log),
+           "--max_seq_length", str(args.seq_len), "--max_predictions_per_seq", str(max(2, args.seq_len * 15 // 100)),
+           "--train_batch_size", str(args.batch_size), "--learning_rate", str(args.lr),
+           "--max_steps", str(args.steps), "--warmup_proportion", "0.1", "--seed", str(args.seed),
+           "--log_freq", str(max(1, args.steps // 10)), "--num_steps_per_checkpoint", str(args.steps),
+           "--num_workers", "0", "--disable_progress_bar", "--skip_checkpoint", *VARIANTS[name]]
+    if on_gpu:
+        cmd.append("--bf16")
+    print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    result = subprocess.run(cmd, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"demo: the {name} run failed (exit {result.returncode}); see the output above")
+    summary = [r for r in read_dllog(str(log)) if r["step"] == []]
+    if not summary:
+        raise SystemExit(f"demo: the {name} run wrote no summary to {log}")
+    return summary[-1]["data"]
+
+
+def format_results(results: dict[str, dict[str, Any]], layers: int, hidden: int, tokens: int) -> str:
+    def mib(value: Any) -> str:
+        return f"{value / 2**20:.1f} MiB" if isinstance(value, (int, float)) else "n/a"
+
+    rows = [("", "bytes kept for backward", "per token per layer", "peak memory", "sequences/s", "final loss")]
+    for name, s in results.items():
+        kept = s.get("activation_bytes_per_micro_batch")
+        per_token = f"{kept / (tokens * layers * hidden):.1f} h" if kept else "n/a"
+        peak = s.get("peak_allocated_bytes")
+        peak_text = f"{mib(peak)} (GPU)" if peak is not None else f"{mib(s.get('peak_rss_bytes'))} (CPU RSS)"
+        rows.append((name, mib(kept), per_token, peak_text, f"{s['training_sequences_per_second']:.1f}",
+                     f"{s['final_loss']:.4f}"))
+    if {"original", "tempo"} <= results.keys():
+        o, t = results["original"], results["tempo"]
+        saved = 1 - t["activation_bytes_per_micro_batch"] / o["activation_bytes_per_micro_batch"]
+        speed = t["training_sequences_per_second"] / o["training_sequences_per_second"] - 1
+        rows.append(("Tempo vs original", f"{-saved:+.0%}", "", "", f"{speed:+.0%}", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tempo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work_dir", default="out/demo", help="where corpus, shards and runs go")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--documents", type=int, default=1500, help="documents in the generated corpus")
+    parser.add_argument("--vocab_size", type=int, default=2048)
+    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "bert_tiny.json"))
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="a smaller corpus for a smoke run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.documents = min(args.documents, 300)
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    on_gpu = _cuda_available()
+    print(f"Tempo demo in {work.resolve()} on {'the GPU (bf16)' if on_gpu else 'the CPU (fp32)'}")
+    shard_dir, vocab = build_dataset(work, args.documents, args.vocab_size, args.seq_len, args.seed)
+    config = write_demo_config(work, vocab, Path(args.config))
+    results = {name: run_variant(name, work, shard_dir, config, vocab, args, on_gpu) for name in VARIANTS}
+
+    model_config = json.loads(config.read_text())
+    table = format_results(results, model_config["num_hidden_layers"], model_config["hidden_size"],
+                           args.batch_size * args.seq_len)
+    print(f"\nPretraining {model_config['num_hidden_layers']}-layer BERT (h={model_config['hidden_size']}), "
+          f"{args.steps} steps of {args.batch_size} x {args.seq_len} tokens, original layers vs Tempo:\n")
+    print(table)
+    print("\n'bytes kept for backward' is the activation ledger over one batch (whole model, heads included);\n"
+          "per-layer figures for BERT-large: python -m tempo.memory")
+    (work / "demo_results.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
