@@ -2,7 +2,7 @@
 
     python -m tempo.bert.data.qa_generator --out_dir data/qa --num_train 2000 --num_dev 300 --seed 1
 
-Each paragraph tells a few facts about two or three invented people (birthplace, birth year, an
+Each paragraph tells a few facts about two invented people (birthplace, birth year, an
 invention or a company they founded) and the cities and rivers involved, so every question has
 same-type distractors in its context ("Where was X born?" next to "Y was born in Z"). Names are
 built from syllables; each name belongs to the train or the dev split by a hash of its spelling,
@@ -65,7 +65,7 @@ class _Names:
                 return name
 
     def person(self) -> str:
-        return self._draw(lambda: f"{_word(self.rng, 2)} {_word(self.rng, self.rng.choice((2, 3)))}")
+        return self._draw(lambda: f"{_word(self.rng, self.rng.choice((1, 2)))} {_word(self.rng, 2)}")
 
     def city(self) -> str:
         return self._draw(lambda: _word(self.rng, self.rng.choice((1, 2))) + self.rng.choice(_CITY_ENDINGS))
@@ -149,10 +149,9 @@ def generate_split(split: str, num_questions: int, seed: int, questions_per_para
     count = 0
     while count < num_questions:
         par = _Paragraph()
-        people = [names.person() for _ in range(rng.choice((2, 3)))]
+        people = [names.person(), names.person()]  # two of each kind: every answer has a distractor
         cities = [_person_facts(par, names, rng, person) for person in people]
-        for city in rng.sample(cities, k=rng.randint(1, len(cities))):
-            _city_facts(par, names, rng, city)
+        _city_facts(par, names, rng, rng.choice(cities))
         take = min(questions_per_paragraph, num_questions - count, len(par.facts))
         qas = []
         for q, (question, answer, start) in enumerate(rng.sample(par.facts, k=take)):
