@@ -378,8 +378,8 @@ def test_attention_needs_attention_interface(monkeypatch):
     with pytest.raises(ImportError, match=r"transformers >= 4\.50"):
         apply_tempo(model)
     assert tempo_patched(model) == {"attention": 0}  # nothing changed before the error
-    apply_tempo(model, attention=False)
-    assert tempo_patched(model)["InplaceLayerNorm"] == 6
+    apply_tempo(model, gelu=False, attention=False)
+    assert tempo_patched(model) == {"InplaceLayerNorm": 6, "attention": 0}
 
 
 def test_attention_needs_a_dispatching_model(monkeypatch):

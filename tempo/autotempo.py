@@ -1,0 +1,465 @@
+"""AutoTempo: decide from measurements whether (and where) Tempo's layers pay off.
+
+Tempo trades a little extra compute for activation memory. That only helps when the memory buys
+a larger batch *and* the larger batch is faster per sample. Two policies:
+
+  * "fast": measure samples/s against batch size without Tempo, up to the largest batch that
+    fits. If throughput is still rising there (the last doubling gained more than ``min_gain``),
+    memory is what limits speed: apply Tempo everywhere, and find the larger batch it allows.
+    Otherwise the curve has flattened and Tempo's extra work would only cost time: no Tempo.
+  * "smart": for each candidate application (no Tempo; each layer kind alone; all kinds; all
+    kinds on the first k Transformer layers only), find the largest batch that fits and measure
+    samples/s there; keep the fastest.
+
+Measurements come from a ``measure(model_factory, batch_size) -> (fits, samples_per_s)``
+callable (a third element, bytes used, is shown in the table when given). The default,
+``DefaultMeasure``, trains a few steps of the model on ``batch_factory(batch_size)``:
+  * on CUDA, "fits" means no out-of-memory error (and peak allocated <= ``memory_budget`` if
+    one is given);
+  * on the CPU, where running out of memory cannot be observed safely, "fits" means
+    weights + gradients + optimizer states + the activations autograd keeps (ActivationLedger)
+    <= ``memory_budget``. Without a budget everything fits.
+The batch search is the bench harness's ``search_max_batch`` (doubling, then bisection).
+
+    result = auto_tempo(lambda: BertForMaskedLM(config), lambda b: make_batch(b),
+                        policy="fast", memory_budget="2GiB")
+    model = result.apply(BertForMaskedLM(config))
+    print(result.format_table())
+
+Partial application: layer kinds and "first k layers" are applied with ``apply_tempo`` on the
+model's repeated Transformer blocks (its longest ``nn.ModuleList``); HF attention is set per
+model (one ``attn_implementation`` per config), so it is never limited to some layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from tempo.memory import ActivationLedger
+from tempo.patch import apply_tempo
+
+logger = logging.getLogger("tempo.autotempo")
+
+ModelFactory = Callable[[], nn.Module]
+BatchFactory = Callable[[int], Any]
+MeasureResult = Union[tuple[bool, float], tuple[bool, float, Optional[int]]]
+Measure = Callable[[ModelFactory, int], MeasureResult]
+KINDS = ("gelu", "layernorm", "attention")
+
+
+# ---------------------------------------------------------------------------------------------
+# What to apply
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TempoChoice:
+    """Which Tempo layer kinds to apply, and to how many leading Transformer blocks (None: all)."""
+
+    gelu: bool = False
+    layernorm: bool = False
+    attention: bool = False
+    first_layers: Optional[int] = None
+
+    @classmethod
+    def none(cls) -> "TempoChoice":
+        return cls()
+
+    @classmethod
+    def full(cls, kinds: Iterable[str] = KINDS) -> "TempoChoice":
+        kinds = set(kinds)
+        return cls(gelu="gelu" in kinds, layernorm="layernorm" in kinds, attention="attention" in kinds)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(k for k in KINDS if getattr(self, k))
+
+    @property
+    def is_none(self) -> bool:
+        return not self.kinds
+
+    @property
+    def label(self) -> str:
+        if self.is_none:
+            return "no tempo"
+        where = "" if self.first_layers is None else f" (first {self.first_layers} layers)"
+        return "+".join(self.kinds) + where
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        if self.is_none:
+            return model
+        if self.first_layers is None:
+            return apply_tempo(model, gelu=self.gelu, layernorm=self.layernorm, attention=self.attention)
+        for block in transformer_blocks(model)[: self.first_layers]:
+            apply_tempo(block, gelu=self.gelu, layernorm=self.layernorm, attention=False)
+        if self.attention:
+            apply_tempo(model, gelu=False, layernorm=False, attention=True)
+        return model
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: its longest nn.ModuleList (bert.encoder.layer, transformer.h)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of Transformer blocks")
+    return max(lists, key=len)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
+    """1.5e9, "512MiB", "2GB", "2G" -> bytes (binary units for KiB/MiB/GiB and K/M/G)."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    text = value.strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6,
+             "GB": 10**9, "TB": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "B": 1}
+    for suffix, scale in units.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * scale)
+    return int(float(text))
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.device.type, t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (list, tuple)) else model(batch)
+    loss = out.loss if hasattr(out, "loss") else out[0] if isinstance(out, (tuple, list)) else out
+    return loss if loss.dim() == 0 else loss.float().mean()
+
+
+@dataclass
+class MemoryEstimate:
+    weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_states + self.activations
+
+
+class DefaultMeasure:
+    """Train a few steps and report (fits, samples/s, bytes); see the module docstring.
+
+    ``optimizer_factory`` (default AdamW) gets the model's parameters. ``autocast_dtype`` runs
+    the forward under torch.autocast. Timing: ``warmup`` untimed steps, then ``steps`` timed.
+    """
+
+    def __init__(self, batch_factory: BatchFactory, memory_budget: Union[int, str, None] = None,
+                 device: Union[str, torch.device, None] = None, steps: int = 3, warmup: int = 1,
+                 optimizer_factory: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None,
+                 autocast_dtype: Optional[torch.dtype] = None):
+        self.batch_factory = batch_factory
+        self.memory_budget = parse_bytes(memory_budget)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.steps = steps
+        self.warmup = max(1, warmup)  # the first step also sizes the optimizer states
+        self.optimizer_factory = optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=1e-4))
+        self.autocast_dtype = autocast_dtype
+
+    def _step(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+              ledger: Optional[ActivationLedger] = None) -> None:
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            if ledger is not None:
+                with ledger:
+                    loss = _loss(model, batch)
+            else:
+                loss = _loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # keep .grad allocated: it is part of the footprint
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def estimate(self, model_factory: ModelFactory, batch_size: int) -> MemoryEstimate:
+        """Exact byte count of one training step's persistent parts (no timing)."""
+        model = model_factory().to(self.device).train()
+        optimizer = self.optimizer_factory(model.parameters())
+        batch = _to_device(self.batch_factory(batch_size), self.device)
+        ledger = ActivationLedger(model)
+        self._step(model, optimizer, batch, ledger)
+        return self._estimate(model, optimizer, ledger)
+
+    @staticmethod
+    def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, ledger: ActivationLedger) -> MemoryEstimate:
+        params = list(model.parameters())
+        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return MemoryEstimate(
+            weights=_storage_bytes(params + list(model.buffers())),
+            gradients=_storage_bytes(p.grad for p in params if p.grad is not None),
+            optimizer_states=_storage_bytes(states),
+            activations=ledger.activation_bytes,
+        )
+
+    def __call__(self, model_factory: ModelFactory, batch_size: int) -> tuple[bool, float, Optional[int]]:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(self.device)
+            model = model_factory().to(self.device).train()
+            optimizer = self.optimizer_factory(model.parameters())
+            batch = _to_device(self.batch_factory(batch_size), self.device)
+            ledger = ActivationLedger(model) if self.device.type != "cuda" else None
+            self._step(model, optimizer, batch, ledger)  # also the first warm-up step
+            if ledger is not None:
+                used = self._estimate(model, optimizer, ledger).total
+                if self.memory_budget is not None and used > self.memory_budget:
+                    return False, 0.0, used
+            for _ in range(self.warmup - 1):
+                self._step(model, optimizer, batch)
+            self._sync()
+            start = time.perf_counter()
+            for _ in range(self.steps):
+                self._step(model, optimizer, batch)
+            self._sync()
+            elapsed = time.perf_counter() - start
+            if self.device.type == "cuda":
+                used = torch.cuda.max_memory_allocated(self.device)
+                if self.memory_budget is not None and used > self.memory_budget:
+                    return False, 0.0, used
+            return True, batch_size * self.steps / elapsed, used
+        except torch.cuda.OutOfMemoryError:
+            return False, 0.0, None
+        finally:
+            model = optimizer = batch = None  # noqa: F841 - free before the next probe
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Measurement:
+    choice: TempoChoice
+    batch_size: int
+    fits: bool
+    samples_per_s: float
+    memory_bytes: Optional[int] = None
+
+
+@dataclass
+class AutoTempoResult:
+    policy: str
+    choice: TempoChoice  # TempoChoice.none() when Tempo does not pay off
+    batch_size: int  # the largest batch that fits with that choice (0: none fits)
+    samples_per_s: float
+    reason: str
+    measurements: list[Measurement] = field(default_factory=list)
+
+    @property
+    def use_tempo(self) -> bool:
+        return not self.choice.is_none
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return self.choice.apply(model)
+
+    def table(self) -> list[dict[str, Any]]:
+        return [{"tempo": m.choice.label, "batch_size": m.batch_size, "fits": m.fits,
+                 "samples_per_s": m.samples_per_s, "memory_bytes": m.memory_bytes}
+                for m in self.measurements]
+
+    def format_table(self) -> str:
+        lines = [f"{'tempo':<40} {'batch':>6} {'fits':>5} {'samples/s':>11} {'memory':>12}"]
+        for m in self.measurements:
+            memory = "" if m.memory_bytes is None else f"{m.memory_bytes / 2**20:.2f} MiB"
+            lines.append(f"{m.choice.label:<40} {m.batch_size:>6} {str(m.fits):>5} "
+                         f"{m.samples_per_s:>11.1f} {memory:>12}")
+        lines.append(f"-> {self.choice.label}, batch {self.batch_size}: {self.reason}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Search
+# ---------------------------------------------------------------------------------------------
+def _search_max_batch(probe: Callable[[int], bool], start: int, max_batch: Optional[int]) -> int:
+    try:
+        from tempo.bench.max_batch import search_max_batch
+    except ImportError:  # the bench harness is optional here: same doubling-then-bisection search
+        search_max_batch = None
+    if search_max_batch is not None:
+        return search_max_batch(probe, start=start, max_batch=max_batch)[0]
+    fitted, failed, b = 0, None, min(start, max_batch or start)
+    while True:
+        if probe(b):
+            fitted = b
+            if max_batch is not None and b >= max_batch:
+                break
+            b = b * 2 if max_batch is None else min(b * 2, max_batch)
+        else:
+            failed = b
+            break
+    while failed is not None and failed - fitted > 1:
+        mid = (fitted + failed) // 2
+        fitted, failed = (mid, failed) if probe(mid) else (fitted, mid)
+    return fitted
+
+
+class _Measurer:
+    """Memoised measurements of (choice, batch), recorded in order for the result table."""
+
+    def __init__(self, model_factory: ModelFactory, measure: Measure):
+        self.model_factory = model_factory
+        self.measure = measure
+        self.records: list[Measurement] = []
+        self._cache: dict[tuple[TempoChoice, int], Measurement] = {}
+
+    def __call__(self, choice: TempoChoice, batch_size: int) -> Measurement:
+        key = (choice, batch_size)
+        if key not in self._cache:
+            result = tuple(self.measure(lambda: choice.apply(self.model_factory()), batch_size))
+            fits, samples_per_s = bool(result[0]), float(result[1]) if result[0] else 0.0
+            memory = result[2] if len(result) > 2 else None
+            record = Measurement(choice, batch_size, fits, samples_per_s, memory)
+            logger.debug("measured %s at batch %d: fits=%s, %.1f samples/s", choice.label, batch_size,
+                         fits, samples_per_s)
+            self._cache[key] = record
+            self.records.append(record)
+        return self._cache[key]
+
+    def max_batch(self, choice: TempoChoice, start: int, max_batch: Optional[int]) -> int:
+        return _search_max_batch(lambda b: self(choice, b).fits, start, max_batch)
+
+    def curve(self, choice: TempoChoice) -> list[Measurement]:
+        return sorted((m for m in self.records if m.choice == choice and m.fits), key=lambda m: m.batch_size)
+
+
+def _still_rising(curve: list[Measurement], min_gain: float) -> tuple[bool, str]:
+    """Did throughput still grow over the last doubling (or more) before memory ran out?"""
+    if len(curve) < 2:
+        return True, "only one batch size fits, so memory is what limits the batch"
+    top = curve[-1]
+    earlier = [m for m in curve[:-1] if m.batch_size * 2 <= top.batch_size] or curve[:-1]
+    base = earlier[-1]
+    gain = top.samples_per_s / base.samples_per_s - 1 if base.samples_per_s > 0 else math.inf
+    rising = gain > min_gain
+    return rising, (f"samples/s {'still rises' if rising else 'has flattened'} at the largest batch that "
+                    f"fits: {base.samples_per_s:.1f} at batch {base.batch_size} -> {top.samples_per_s:.1f} "
+                    f"at {top.batch_size} ({gain:+.0%}, threshold {min_gain:+.0%})")
+
+
+def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = KINDS) -> list[TempoChoice]:
+    """No Tempo, each kind alone, all kinds, and all kinds on the first 1/4, 1/2, 3/4 of the layers."""
+    candidates = [TempoChoice.none()] + [TempoChoice.full([k]) for k in kinds]
+    if len(kinds) > 1:
+        candidates.append(TempoChoice.full(kinds))
+    if num_layers:
+        for k in sorted({max(1, num_layers * q // 4) for q in (1, 2, 3)} - {num_layers}):
+            candidates.append(replace(TempoChoice.full(kinds), first_layers=k))
+    return candidates
+
+
+def auto_tempo(model_factory: ModelFactory, batch_factory: Optional[BatchFactory] = None, policy: str = "fast",
+               memory_budget: Union[int, str, None] = None, measure: Optional[Measure] = None,
+               start_batch: int = 1, max_batch: Optional[int] = 1024, min_gain: float = 0.05,
+               kinds: Sequence[str] = KINDS, candidates: Optional[Sequence[TempoChoice]] = None,
+               device: Union[str, torch.device, None] = None) -> AutoTempoResult:
+    """Choose how to apply Tempo to the models ``model_factory`` builds; see the module docstring.
+
+    ``batch_factory(batch_size)`` builds a training batch (a dict of model kwargs with labels, a
+    tuple of positional args, or one tensor) for the default measure; ``measure`` replaces that
+    default. ``max_batch`` caps the search (on CPU without a budget nothing runs out).
+    ``min_gain``: "fast" applies Tempo when the last doubling before memory ran out gained more
+    than this fraction of samples/s. ``kinds`` limits the layer kinds considered (e.g. without
+    "attention" for non-HF models); ``candidates`` replaces smart's default list.
+    """
+    if policy not in ("fast", "smart"):
+        raise ValueError(f"policy must be 'fast' or 'smart', got {policy!r}")
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown Tempo layer kinds {sorted(unknown)}; choose from {KINDS}")
+    if measure is None:
+        if batch_factory is None:
+            raise ValueError("auto_tempo needs batch_factory (for the default measure) or measure")
+        measure = DefaultMeasure(batch_factory, memory_budget=memory_budget, device=device)
+    measurer = _Measurer(model_factory, measure)
+    if policy == "fast":
+        result = _fast(measurer, start_batch, max_batch, min_gain, kinds)
+    else:
+        result = _smart(measurer, model_factory, start_batch, max_batch, kinds, candidates)
+    logger.info("auto_tempo(%s): %s, batch %d, %.1f samples/s: %s", policy, result.choice.label,
+                result.batch_size, result.samples_per_s, result.reason)
+    return result
+
+
+def _fast(measurer: _Measurer, start: int, max_batch: Optional[int], min_gain: float,
+          kinds: Sequence[str]) -> AutoTempoResult:
+    plain = TempoChoice.none()
+    plain_max = measurer.max_batch(plain, start, max_batch)
+    curve = measurer.curve(plain)
+    if max_batch is not None and plain_max >= max_batch:
+        best = curve[-1]
+        return AutoTempoResult("fast", plain, plain_max, best.samples_per_s,
+                               f"batch {max_batch} (the search limit) fits without Tempo: memory never ran out",
+                               measurer.records)
+    rising, why = _still_rising(curve, min_gain) if plain_max else (True, "not even the smallest batch fits without Tempo")
+    if not rising:
+        return AutoTempoResult("fast", plain, plain_max, curve[-1].samples_per_s, why + ": no Tempo",
+                               measurer.records)
+    tempo = TempoChoice.full(kinds)
+    tempo_max = measurer.max_batch(tempo, max(plain_max, start), max_batch)
+    if tempo_max <= plain_max:
+        rate = curve[-1].samples_per_s if curve else 0.0
+        return AutoTempoResult("fast", plain, plain_max, rate,
+                               why + f", but Tempo does not fit a larger batch ({tempo_max}): no Tempo",
+                               measurer.records)
+    rate = measurer(tempo, tempo_max).samples_per_s
+    return AutoTempoResult("fast", tempo, tempo_max, rate,
+                           why + f": Tempo, batch {plain_max} -> {tempo_max}", measurer.records)
+
+
+def _smart(measurer: _Measurer, model_factory: ModelFactory, start: int, max_batch: Optional[int],
+           kinds: Sequence[str], candidates: Optional[Sequence[TempoChoice]]) -> AutoTempoResult:
+    if candidates is None:
+        try:
+            num_layers = len(transformer_blocks(model_factory()))
+        except ValueError:
+            num_layers = None
+        candidates = default_candidates(num_layers, kinds)
+    best: Optional[tuple[float, int, TempoChoice]] = None
+    for choice in candidates:  # ties keep the earlier (simpler) candidate
+        batch = measurer.max_batch(choice, start, max_batch)
+        rate = measurer(choice, batch).samples_per_s if batch else 0.0
+        if best is None or rate > best[0]:
+            best = (rate, batch, choice)
+    assert best is not None
+    rate, batch, choice = best
+    baseline = next((m for m in reversed(measurer.curve(TempoChoice.none()))), None)
+    versus = (f"{rate / baseline.samples_per_s:.2f}x no Tempo at its largest batch {baseline.batch_size}"
+              if baseline is not None and baseline.samples_per_s > 0 and not choice.is_none else
+              "the fastest of the candidates at their largest batch")
+    return AutoTempoResult("smart", choice, batch, rate,
+                           f"best of {len(candidates)} candidates: {versus}", measurer.records)
+
+
+__all__ = ["auto_tempo", "AutoTempoResult", "DefaultMeasure", "Measurement", "MemoryEstimate", "TempoChoice",
+           "default_candidates", "parse_bytes", "transformer_blocks"]

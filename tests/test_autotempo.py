@@ -1,0 +1,179 @@
+"""AutoTempo policies: the decision logic against deterministic fake measurements, and one small
+real run on the CPU with a memory budget (timings are never asserted)."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from tempo.autotempo import (AutoTempoResult, DefaultMeasure, TempoChoice, auto_tempo, default_candidates,
+                             parse_bytes, transformer_blocks)
+from tempo.patch import tempo_patched
+
+GELU_LN = ("gelu", "layernorm")
+
+
+class Block(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.norm(x + self.act(self.fc(x)))
+
+
+class TinyStack(nn.Module):
+    def __init__(self, layers=4, width=8):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.head_norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head_norm(x).pow(2).mean()
+
+
+class FakeMeasure:
+    """Memory and speed as functions of what is patched, so the decisions are deterministic.
+
+    Each sample costs ``per_sample`` bytes, minus ``gelu_saving``/``ln_saving`` per replaced
+    module. Speed rises linearly with the batch up to ``knee`` and is flat after it; each
+    replaced module slows it by ``gelu_cost``/``ln_cost`` (a fraction).
+    """
+
+    def __init__(self, budget=100.0, per_sample=12.0, gelu_saving=1.0, ln_saving=0.5, knee=64,
+                 gelu_cost=0.01, ln_cost=0.01):
+        self.budget, self.per_sample, self.knee = budget, per_sample, knee
+        self.savings = {"InplaceGelu": gelu_saving, "InplaceLayerNorm": ln_saving}
+        self.costs = {"InplaceGelu": gelu_cost, "InplaceLayerNorm": ln_cost}
+        self.calls = []
+
+    def __call__(self, model_factory, batch_size):
+        counts = tempo_patched(model_factory())
+        self.calls.append((counts, batch_size))
+        per_sample = self.per_sample - sum(self.savings.get(k, 0) * n for k, n in counts.items())
+        used = per_sample * batch_size
+        if used > self.budget:
+            return False, 0.0, int(used)
+        slowdown = sum(self.costs.get(k, 0) * n for k, n in counts.items())
+        return True, 100.0 * min(batch_size, self.knee) * (1 - slowdown), int(used)
+
+
+def test_fast_applies_tempo_when_throughput_still_rises(caplog):
+    fake = FakeMeasure()  # plain: 12 B/sample -> batch 8 fits a budget of 100; tempo: 12 - 4 - 2.5 = 5.5 -> 18
+    with caplog.at_level(logging.INFO, logger="tempo.autotempo"):
+        result = auto_tempo(TinyStack, policy="fast", measure=fake, kinds=GELU_LN)
+    assert isinstance(result, AutoTempoResult) and result.use_tempo
+    assert result.choice == TempoChoice(gelu=True, layernorm=True)
+    assert result.batch_size == 18
+    plain = [m for m in result.measurements if m.choice.is_none]
+    assert max(m.batch_size for m in plain if m.fits) == 8
+    assert any("auto_tempo(fast): gelu+layernorm, batch 18" in m for m in caplog.messages)
+    assert "batch 8 -> 18" in result.reason
+    assert "-> gelu+layernorm, batch 18" in result.format_table()
+    model = result.apply(TinyStack())
+    assert tempo_patched(model) == {"InplaceGelu": 4, "InplaceLayerNorm": 5, "attention": 0}
+
+
+def test_fast_skips_tempo_when_throughput_has_flattened():
+    fake = FakeMeasure(knee=1)  # flat from batch 1 on
+    result = auto_tempo(TinyStack, policy="fast", measure=fake, kinds=GELU_LN)
+    assert not result.use_tempo and result.batch_size == 8
+    assert "flattened" in result.reason
+    assert all(counts == {"attention": 0} for counts, _ in fake.calls)  # Tempo never measured
+
+
+def test_fast_without_memory_pressure_or_without_a_larger_batch():
+    roomy = auto_tempo(TinyStack, policy="fast", measure=FakeMeasure(budget=1e9), kinds=GELU_LN, max_batch=64)
+    assert not roomy.use_tempo and roomy.batch_size == 64 and "never ran out" in roomy.reason
+    useless = auto_tempo(TinyStack, policy="fast", measure=FakeMeasure(gelu_saving=0, ln_saving=0), kinds=GELU_LN)
+    assert not useless.use_tempo and useless.batch_size == 8 and "does not fit a larger batch" in useless.reason
+
+
+def test_fast_when_nothing_fits_without_tempo():
+    result = auto_tempo(TinyStack, policy="fast", measure=FakeMeasure(budget=8), kinds=GELU_LN)
+    assert result.use_tempo and result.batch_size == 1  # 5.5 bytes <= 8 < 12
+
+
+def test_smart_prefers_partial_application_when_it_is_fastest():
+    # Speed stops growing at batch 10 and LayerNorms are costly: patching the first 2 of 4 blocks
+    # fits batch 10 (24 - 2 x 2.5 = 19 bytes/sample, budget 192) with the least overhead;
+    # everywhere fits 16, but gains nothing past 10 and pays for 9 modules.
+    fake = FakeMeasure(budget=192, per_sample=24, gelu_saving=0.5, ln_saving=2.0, knee=10,
+                       gelu_cost=0.005, ln_cost=0.05)
+    candidates = default_candidates(4, GELU_LN)
+    assert [c.label for c in candidates] == [
+        "no tempo", "gelu", "layernorm", "gelu+layernorm", "gelu+layernorm (first 1 layers)",
+        "gelu+layernorm (first 2 layers)", "gelu+layernorm (first 3 layers)"]
+    result = auto_tempo(TinyStack, policy="smart", measure=fake, kinds=GELU_LN)
+    expected_rate = {}
+    for m in result.measurements:
+        if m.fits:
+            expected_rate[m.choice] = max(expected_rate.get(m.choice, (0, 0)), (m.batch_size, m.samples_per_s))
+    best = max(expected_rate.items(), key=lambda kv: kv[1][1])
+    assert result.choice == best[0] == TempoChoice(gelu=True, layernorm=True, first_layers=2)
+    assert result.batch_size == 10
+    model = result.apply(TinyStack())
+    assert type(model.blocks[1].norm).__name__ == "InplaceLayerNorm"
+    assert type(model.blocks[2].norm) is nn.LayerNorm and type(model.head_norm) is nn.LayerNorm
+
+
+def test_smart_keeps_no_tempo_when_nothing_beats_it():
+    result = auto_tempo(TinyStack, policy="smart", measure=FakeMeasure(knee=1), kinds=GELU_LN)
+    assert not result.use_tempo
+
+
+def test_arguments_and_helpers():
+    with pytest.raises(ValueError, match="policy"):
+        auto_tempo(TinyStack, policy="slow", measure=FakeMeasure())
+    with pytest.raises(ValueError, match="batch_factory"):
+        auto_tempo(TinyStack)
+    with pytest.raises(ValueError, match="kinds"):
+        auto_tempo(TinyStack, measure=FakeMeasure(), kinds=("softmax",))
+    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("2MB") == 2_000_000 and parse_bytes(7) == 7
+    assert len(transformer_blocks(TinyStack(layers=3))) == 3
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_real_run_on_cpu_with_a_budget(one_thread):
+    """Tiny BERT, the default measure: the budget fits batch 8 only with Tempo."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tempo.inplace_gelu", reason="InplaceGelu is not in the tree yet")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100, attn_implementation="eager")
+
+    def model_factory():
+        torch.manual_seed(0)
+        return transformers.BertForMaskedLM(config)
+
+    def batch_factory(batch_size):
+        ids = torch.randint(1, 100, (batch_size, 16), generator=torch.Generator().manual_seed(batch_size))
+        return {"input_ids": ids, "labels": ids}
+
+    probe = DefaultMeasure(batch_factory, steps=1, warmup=1)
+    plain8 = probe.estimate(model_factory, 8)
+    tempo8 = probe.estimate(lambda: TempoChoice.full().apply(model_factory()), 8)
+    assert tempo8.total < plain8.total and tempo8.weights == plain8.weights
+    assert tempo8.optimizer_states == plain8.optimizer_states > 0
+
+    measure = DefaultMeasure(batch_factory, memory_budget=tempo8.total, steps=1, warmup=1)
+    # min_gain=-1: "rising" whatever the timings, so the outcome depends only on memory.
+    result = auto_tempo(model_factory, policy="fast", measure=measure, max_batch=8, min_gain=-1.0)
+    plain_max = max(m.batch_size for m in result.measurements if m.choice.is_none and m.fits)
+    assert plain_max < 8
+    assert result.choice == TempoChoice.full() and result.batch_size == 8
+    assert all(m.memory_bytes is not None and (m.memory_bytes <= tempo8.total) == m.fits for m in result.measurements)
+    assert result.samples_per_s > 0
+    model = result.apply(model_factory())
+    assert model.config._attn_implementation == "tempo"
