@@ -2,6 +2,7 @@
 real run on the CPU with a memory budget (timings are never asserted)."""
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,25 @@ from tempo.autotempo import (AutoTempoResult, DefaultMeasure, TempoChoice, auto_
 from tempo.patch import tempo_patched
 
 GELU_LN = ("gelu", "layernorm")
+
+
+@pytest.fixture(autouse=True)
+def inplace_gelu_module(monkeypatch):
+    """The decision logic only counts replaced modules: while tempo.inplace_gelu is still being
+    written, a stand-in named InplaceGelu (plain exact GELU) lets these tests run."""
+    try:
+        import tempo.inplace_gelu  # noqa: F401
+    except ImportError:
+        import sys
+        import types
+
+        class InplaceGelu(nn.GELU):
+            pass
+
+        InplaceGelu.__module__ = "tempo.inplace_gelu"
+        stand_in = types.ModuleType("tempo.inplace_gelu")
+        stand_in.InplaceGelu = InplaceGelu
+        monkeypatch.setitem(sys.modules, "tempo.inplace_gelu", stand_in)
 
 
 class Block(nn.Module):
@@ -149,7 +169,9 @@ def one_thread():
 def test_real_run_on_cpu_with_a_budget(one_thread):
     """Tiny BERT, the default measure: the budget fits batch 8 only with Tempo."""
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("tempo.inplace_gelu", reason="InplaceGelu is not in the tree yet")
+    # Without the real InplaceGelu (being written), the run uses the other two kinds.
+    real_gelu = getattr(sys.modules["tempo.inplace_gelu"], "__file__", None) is not None
+    kinds = ("gelu", "layernorm", "attention") if real_gelu else ("layernorm", "attention")
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, vocab_size=100, attn_implementation="eager")
 
@@ -163,16 +185,16 @@ def test_real_run_on_cpu_with_a_budget(one_thread):
 
     probe = DefaultMeasure(batch_factory, steps=1, warmup=1)
     plain8 = probe.estimate(model_factory, 8)
-    tempo8 = probe.estimate(lambda: TempoChoice.full().apply(model_factory()), 8)
+    tempo8 = probe.estimate(lambda: TempoChoice.full(kinds).apply(model_factory()), 8)
     assert tempo8.total < plain8.total and tempo8.weights == plain8.weights
     assert tempo8.optimizer_states == plain8.optimizer_states > 0
 
     measure = DefaultMeasure(batch_factory, memory_budget=tempo8.total, steps=1, warmup=1)
     # min_gain=-1: "rising" whatever the timings, so the outcome depends only on memory.
-    result = auto_tempo(model_factory, policy="fast", measure=measure, max_batch=8, min_gain=-1.0)
+    result = auto_tempo(model_factory, policy="fast", measure=measure, max_batch=8, min_gain=-1.0, kinds=kinds)
     plain_max = max(m.batch_size for m in result.measurements if m.choice.is_none and m.fits)
     assert plain_max < 8
-    assert result.choice == TempoChoice.full() and result.batch_size == 8
+    assert result.choice == TempoChoice.full(kinds) and result.batch_size == 8
     assert all(m.memory_bytes is not None and (m.memory_bytes <= tempo8.total) == m.fits for m in result.measurements)
     assert result.samples_per_s > 0
     model = result.apply(model_factory())
