@@ -6,7 +6,8 @@ The three layers of the Tempo paper, importable from here or from their original
     from tempo.inplace_layernorm import InplaceLayerNorm
     from tempo.combined import Combined
 
-``tempo.memory.ActivationLedger`` measures what they save.
+``tempo.memory.ActivationLedger`` measures what they save; ``tempo.apply_tempo(model)`` puts them
+into an existing HuggingFace model (``tempo.revert_tempo`` takes them out again).
 """
 
 from importlib import import_module
@@ -22,6 +23,11 @@ _LAZY = {
     "Combined": "tempo.combined",
     "ActivationLedger": "tempo.memory",
     "use_backend": "tempo.ops._backend",
+    "apply_tempo": "tempo.patch",
+    "revert_tempo": "tempo.patch",
+    "auto_tempo": "tempo.autotempo",
+    "AutoTempoResult": "tempo.autotempo",
+    "TempoChoice": "tempo.autotempo",
 }
 
 __all__ = sorted(_LAZY)
