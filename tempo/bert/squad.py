@@ -292,6 +292,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
             scaler.update()
         else:
             optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step used; the scheduler moves it on
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum += step_loss
@@ -304,7 +305,6 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
                 torch.distributed.all_reduce(step_loss)
                 step_loss /= rt.world_size
             last_loss = step_loss.item()  # a sync: only on log steps
-            lr = optimizer.param_groups[0]["lr"]
             if rt.is_main:
                 logger.log(step, {"loss": last_loss, "learning_rate": lr})
                 progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")

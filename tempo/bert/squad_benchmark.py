@@ -72,8 +72,11 @@ def measure(args: argparse.Namespace, run_dir: Path, mode: str, precision: str) 
     result: dict[str, Any] = {"mode": mode, "precision": precision, "max_batch": 0,
                               "sequences_per_second": None, "error": None}
     try:
-        result["max_batch"] = int(json.loads(search_json.read_text())["max_batch"])
-    except (OSError, ValueError, KeyError) as exc:
+        found = json.loads(search_json.read_text())
+        result["max_batch"] = int(found.get("max_batch") or 0)
+        if found.get("error"):
+            result["error"] = f"max-batch search stopped: {str(found['error']).splitlines()[-1]}"
+    except (OSError, ValueError, AttributeError) as exc:
         result["error"] = f"max-batch search failed ({exc}); see {run_dir / f'maxbatch_{tag}.log'}"
     if result["max_batch"] > 0:
         print(f"== {tag}: batch {result['max_batch']}, measuring throughput", flush=True)
@@ -111,7 +114,8 @@ def summary_table(results: list[dict[str, Any]], gpu: str = "") -> str:
                 continue
             speed = r.get("sequences_per_second")
             speed_text = f"{speed:.1f}" if isinstance(speed, (int, float)) else "n/a"
-            batch_gain = _ratio(r.get("max_batch"), original.get("max_batch")) if mode == "tempo" else "-"
+            batch = r.get("max_batch") or None  # 0 = nothing fitted or the search failed: no ratio
+            batch_gain = _ratio(batch, original.get("max_batch")) if mode == "tempo" else "-"
             speed_gain = _ratio(speed, original.get("sequences_per_second")) if mode == "tempo" else "-"
             lines.append(f"| {mode.capitalize()} | {precision} | {r.get('max_batch', 0)} | {speed_text} | "
                          f"{batch_gain} | {speed_gain} |")

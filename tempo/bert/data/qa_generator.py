@@ -2,8 +2,8 @@
 
     python -m tempo.bert.data.qa_generator --out_dir data/qa --num_train 2000 --num_dev 300 --seed 1
 
-Each paragraph tells a few facts about two invented people (birthplace, birth year, an
-invention or a company they founded) and the cities and rivers involved, so every question has
+Each paragraph tells a few facts about two invented people (birthplace, birth year, and for one
+of them an invention or a company founded) and a city or river involved, so every question has
 same-type distractors in its context ("Where was X born?" next to "Y was born in Z"). Names are
 built from syllables; each name belongs to the train or the dev split by a hash of its spelling,
 independent of the seed, so dev entities never occur in any train set: a model can only answer
@@ -100,7 +100,7 @@ class _Paragraph:
                 self.facts.append((question, values[key], start + len(before)))
 
 
-def _person_facts(par: _Paragraph, names: _Names, rng: random.Random, person: str) -> str:
+def _person_facts(par: _Paragraph, names: _Names, rng: random.Random, person: str, with_work: bool) -> str:
     city, year = names.city(), str(rng.randint(1700, 1990))
     profession = rng.choice(_PROFESSIONS)
     v = {"p": person, "c": city, "y": year, "job": profession}
@@ -108,6 +108,8 @@ def _person_facts(par: _Paragraph, names: _Names, rng: random.Random, person: st
                            "In {y}, the {job} {p} was born in {c}."])
     par.add(template, v, {"c": [f"Where was {person} born?", f"In which city was {person} born?"],
                           "y": [f"In what year was {person} born?", f"When was {person} born?"]})
+    if not with_work:
+        return city
     if rng.random() < 0.5:
         v = {"p": person, "i": names.invention(), "y": str(int(year) + rng.randint(20, 50))}
         par.add(rng.choice(["{p} invented the {i} in {y}.", "In {y}, {p} invented the {i}."]), v,
@@ -150,7 +152,8 @@ def generate_split(split: str, num_questions: int, seed: int, questions_per_para
     while count < num_questions:
         par = _Paragraph()
         people = [names.person(), names.person()]  # two of each kind: every answer has a distractor
-        cities = [_person_facts(par, names, rng, person) for person in people]
+        worker = rng.randrange(2)  # one invention or company per paragraph keeps it short
+        cities = [_person_facts(par, names, rng, person, i == worker) for i, person in enumerate(people)]
         _city_facts(par, names, rng, rng.choice(cities))
         take = min(questions_per_paragraph, num_questions - count, len(par.facts))
         qas = []
