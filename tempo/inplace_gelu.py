@@ -1,0 +1,5 @@
+"""Tempo's original import path for the In-place GELU layer."""
+
+from tempo.ops.gelu import InplaceGelu, gelu_derivative_from_output, inplace_gelu
+
+__all__ = ["InplaceGelu", "inplace_gelu", "gelu_derivative_from_output"]
