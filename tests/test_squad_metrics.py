@@ -112,13 +112,14 @@ def test_extract_best_span_and_nbest():
 
 
 def test_extract_respects_length_order_and_max_context():
-    tokens = ["a1", "b2", "c3", "d4"]
-    # end before start is never valid; span longer than max_answer_length is dropped
-    context, win = _window(tokens, start={5: 9.0, 3: 1.0}, end={4: 9.0, 6: 0.5})
-    text, _, _ = extract_answers(context, [win], max_answer_length=3)
-    assert text == "a1 b2 c3 d4"[6:11]  # c3 (5) .. d4 (6)
-    text, _, _ = extract_answers(context, [win], max_answer_length=1)
-    assert text == "a1 b2"  # 3..4 is the only short span left
+    tokens = ["a1", "b2", "c3", "d4"]  # positions 3..6 after [CLS] q [SEP]
+    # end before start is never valid: the best pair (5, 4) loses to (5, 6)
+    context, win = _window(tokens, start={5: 9.0}, end={4: 9.0, 6: 0.5})
+    assert extract_answers(context, [win])[0] == "c3 d4"
+    # a span longer than max_answer_length is dropped
+    context, win = _window(tokens, start={3: 5.0}, end={6: 5.0, 3: 0.0})
+    assert extract_answers(context, [win], max_answer_length=4)[0] == "a1 b2 c3 d4"
+    assert extract_answers(context, [win], max_answer_length=3)[0] == "a1"
     # start token without max context in this window: not a candidate
     context, win = _window(tokens, start={3: 9.0, 4: 1.0}, end={4: 1.0}, max_context=[1, 1, 1, 0, 1, 1, 1, 1])
     assert extract_answers(context, [win])[0] == "b2"
