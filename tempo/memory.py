@@ -183,7 +183,7 @@ def bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype
                       config_name: str = "bert_large.json") -> ActivationLedger:
     """Ledger of one post-LN encoder layer's forward in training mode (dropout on)."""
     from tempo.bert.config import BertConfig
-    from tempo.bert.model import BertLayer, TempoOptions
+    from tempo.bert.model import BertLayer, TempoOptions, additive_attention_mask
 
     config = BertConfig.from_json_file(_configs_dir() / config_name)
     if variant.startswith("hf-"):
@@ -201,7 +201,10 @@ def bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype
     input_dtype = dtype if options.layernorm else torch.float32
     hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, dtype=input_dtype,
                          requires_grad=True)
-    mask = torch.zeros(batch, 1, 1, seq_len, device=device)  # additive mask, no padding
+    # The additive mask as the model builds it: in the compute dtype, so it does not promote
+    # bf16 scores to fp32 (no padding here).
+    mask = additive_attention_mask(torch.ones(batch, seq_len, device=device),
+                                   dtype if dtype != torch.float32 else torch.float32)
 
     def forward() -> None:
         with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
@@ -288,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.dtype} autocast.\nBytes kept for backward per token (marginal: batch 2 minus batch 1, "
           f"so autocast's fixed weight copies are excluded), in units of h = 1024 bytes")
     print(format_table(rows))
+    if args.device == "cpu":
+        print("On the CPU, scaled_dot_product_attention runs PyTorch's math fallback, which keeps the whole\n"
+              "attention matrix; on a GPU its flash/memory-efficient kernels keep O(s) per row instead.")
     return 0
 
 
