@@ -1,0 +1,180 @@
+"""DLE HDF5 shards -> batches of tensors, resumable and DDP-aware.
+
+A shard holds ``input_ids``, ``input_mask``, ``segment_ids`` [N, L], ``masked_lm_positions``,
+``masked_lm_ids`` [N, P] (zero padded) and ``next_sentence_labels`` [N], any integer dtype
+(existing DLE shards load unchanged). Each sample becomes:
+
+    input_ids, segment_ids, input_mask   [L] int64
+    masked_lm_positions                  [P] int64 (0 in padded slots)
+    masked_lm_labels                     [P] int64, -1 = no prediction in this slot
+    next_sentence_labels                 []  int64 (1 = B is a random segment)
+
+Position 0 is [CLS] and never masked, so a 0 position marks a padded prediction slot.
+
+``PretrainingBatches(input_dir, batch_size, seed, rank, world_size, num_workers)`` walks the
+shards in an order shuffled per epoch, each shard's samples in an order shuffled per (epoch,
+shard), and gives rank r the samples r, r + world_size, ... of that order. With that striding,
+the union of the ranks' k-th batches is exactly the k-th batch of one process with
+world_size × batch_size, so DDP and a single process see the same data. It is infinite
+(epoch after epoch); ``state_dict()`` names the next batch, so a resumed run continues with
+exactly the batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .create_pretraining_data import SHARD_KEYS
+from .tokenization import DataError
+
+
+class ShardError(DataError):
+    """A shard is missing, unreadable, truncated, or not in the DLE layout."""
+
+
+def list_shards(input_dir: str | os.PathLike) -> list[Path]:
+    """The .hdf5/.h5 files of ``input_dir``, sorted; an error naming the directory if none."""
+    directory = Path(input_dir)
+    if not directory.is_dir():
+        raise ShardError(f"input directory {directory} does not exist or is not a directory")
+    shards = sorted(p for p in directory.iterdir() if p.suffix in (".hdf5", ".h5") and p.is_file()
+                    and not p.name.startswith("."))  # dot files are unfinished writes
+    if not shards:
+        raise ShardError(f"no .hdf5/.h5 shards in {directory}")
+    return shards
+
+
+def _open(path: Path):
+    import h5py
+
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise ShardError(f"cannot read shard {path}: it is truncated or not an HDF5 file ({exc})") from None
+
+
+def shard_shapes(path: Path) -> tuple[int, int, int]:
+    """(samples N, sequence length L, predictions P) from a shard's header, checked."""
+    with _open(path) as f:
+        missing = [k for k in SHARD_KEYS if k not in f]
+        if missing:
+            raise ShardError(f"shard {path} lacks dataset(s) {missing}; expected {list(SHARD_KEYS)}")
+        n, length = f["input_ids"].shape if f["input_ids"].ndim == 2 else (None, None)
+        if n is None:
+            raise ShardError(f"shard {path}: input_ids must be 2-D [N, L], got shape {f['input_ids'].shape}")
+        predictions = f["masked_lm_positions"].shape[-1]
+        expected = {"input_mask": (n, length), "segment_ids": (n, length), "masked_lm_positions": (n, predictions),
+                    "masked_lm_ids": (n, predictions), "next_sentence_labels": (n,)}
+        for key, shape in expected.items():
+            if tuple(f[key].shape) != shape:
+                raise ShardError(f"shard {path}: {key} has shape {tuple(f[key].shape)}, expected {shape}")
+            if f[key].dtype.kind not in "iub":
+                raise ShardError(f"shard {path}: {key} must hold integers, got {f[key].dtype}")
+    return n, length, predictions
+
+
+class PretrainingShardDataset(Dataset):
+    """One shard, read into memory at construction (then the file is closed)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        shard_shapes(self.path)
+        try:
+            with _open(self.path) as f:
+                arrays = {k: np.asarray(f[k][...], dtype=np.int64) for k in SHARD_KEYS}
+        except (OSError, ValueError, RuntimeError) as exc:  # h5py raises these on damaged data
+            raise ShardError(f"cannot read shard {self.path}: {exc}") from None
+        positions = arrays["masked_lm_positions"]
+        self.tensors = {
+            "input_ids": torch.from_numpy(arrays["input_ids"]),
+            "segment_ids": torch.from_numpy(arrays["segment_ids"]),
+            "input_mask": torch.from_numpy(arrays["input_mask"]),
+            "masked_lm_positions": torch.from_numpy(positions),
+            "masked_lm_labels": torch.from_numpy(np.where(positions != 0, arrays["masked_lm_ids"], -1)),
+            "next_sentence_labels": torch.from_numpy(arrays["next_sentence_labels"]),
+        }
+
+    def __len__(self) -> int:
+        return len(self.tensors["input_ids"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {k: v[index] for k, v in self.tensors.items()}
+
+
+class PretrainingBatches:
+    """Infinite, resumable stream of batches from a directory of shards (see module docstring)."""
+
+    def __init__(self, input_dir: str | os.PathLike, batch_size: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, num_workers: int = 0, max_seq_length: int | None = None,
+                 max_predictions_per_seq: int | None = None, pin_memory: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.shards = list_shards(input_dir)
+        self.batch_size, self.seed = batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.sizes = []
+        for path in self.shards:  # headers only: cheap, and fails before training starts
+            n, length, predictions = shard_shapes(path)
+            if max_seq_length is not None and length != max_seq_length:
+                raise ShardError(f"shard {path} has sequences of length {length}, but --max_seq_length is "
+                                 f"{max_seq_length}")
+            if max_predictions_per_seq is not None and predictions != max_predictions_per_seq:
+                raise ShardError(f"shard {path} has {predictions} prediction slots, but "
+                                 f"--max_predictions_per_seq is {max_predictions_per_seq}")
+            self.sizes.append(n)
+        if sum(self._batches_in(n) for n in self.sizes) == 0:
+            raise ShardError(f"the shards in {input_dir} hold {sum(self.sizes)} samples: not one batch of "
+                             f"{batch_size} per rank for {world_size} rank(s)")
+        self.epoch = self.shard_position = self.batch_in_shard = 0
+
+    def _batches_in(self, n: int) -> int:
+        return (n // self.world_size) // self.batch_size
+
+    def _shard_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.shards)))
+        random.Random(f"shards:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _rank_batches(self, shard_index: int) -> list[list[int]]:
+        n = self.sizes[shard_index]
+        order = list(range(n))
+        random.Random(f"samples:{self.seed}:{self.epoch}:{shard_index}").shuffle(order)
+        per_rank = n // self.world_size  # equal counts keep the ranks in step
+        mine = order[self.rank::self.world_size][:per_rank]
+        count = per_rank // self.batch_size  # drop the incomplete last batch: static shapes
+        return [mine[i * self.batch_size:(i + 1) * self.batch_size] for i in range(count)]
+
+    def state_dict(self) -> dict[str, int]:
+        """Position of the next batch this stream will yield."""
+        return {"epoch": self.epoch, "shard_position": self.shard_position, "batch_in_shard": self.batch_in_shard}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.shard_position = int(state["shard_position"])
+        self.batch_in_shard = int(state["batch_in_shard"])
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            order = self._shard_order(self.epoch)
+            while self.shard_position < len(order):
+                shard_index = order[self.shard_position]
+                batches = self._rank_batches(shard_index)[self.batch_in_shard:]
+                if batches:
+                    dataset = PretrainingShardDataset(self.shards[shard_index])
+                    loader = DataLoader(dataset, batch_sampler=batches, num_workers=self.num_workers,
+                                        pin_memory=self.pin_memory)
+                    for batch in loader:
+                        self.batch_in_shard += 1  # counted before yielding: the state names the next batch
+                        yield batch
+                self.shard_position += 1
+                self.batch_in_shard = 0
+            self.epoch += 1
+            self.shard_position = 0
