@@ -169,8 +169,11 @@ class PretrainingBatches:
                 batches = self._rank_batches(shard_index)[self.batch_in_shard:]
                 if batches:
                     dataset = PretrainingShardDataset(self.shards[shard_index])
+                    # A private generator: a DataLoader iterator otherwise draws its worker seed from
+                    # the global RNG, which would shift the dropout stream of a resumed run.
+                    generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, shard_index)) % 2**63)
                     loader = DataLoader(dataset, batch_sampler=batches, num_workers=self.num_workers,
-                                        pin_memory=self.pin_memory)
+                                        pin_memory=self.pin_memory, generator=generator)
                     for batch in loader:
                         self.batch_in_shard += 1  # counted before yielding: the state names the next batch
                         yield batch
