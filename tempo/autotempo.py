@@ -302,26 +302,9 @@ class AutoTempoResult:
 # Search
 # ---------------------------------------------------------------------------------------------
 def _search_max_batch(probe: Callable[[int], bool], start: int, max_batch: Optional[int]) -> int:
-    try:
-        from tempo.bench.max_batch import search_max_batch
-    except ImportError:  # the bench harness is optional here: same doubling-then-bisection search
-        search_max_batch = None
-    if search_max_batch is not None:
-        return search_max_batch(probe, start=start, max_batch=max_batch)[0]
-    fitted, failed, b = 0, None, min(start, max_batch or start)
-    while True:
-        if probe(b):
-            fitted = b
-            if max_batch is not None and b >= max_batch:
-                break
-            b = b * 2 if max_batch is None else min(b * 2, max_batch)
-        else:
-            failed = b
-            break
-    while failed is not None and failed - fitted > 1:
-        mid = (fitted + failed) // 2
-        fitted, failed = (mid, failed) if probe(mid) else (fitted, mid)
-    return fitted
+    from tempo.bench.max_batch import search_max_batch  # the harness ships with this package
+
+    return search_max_batch(probe, start=start, max_batch=max_batch)[0]
 
 
 class _Measurer:
