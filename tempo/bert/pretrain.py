@@ -326,6 +326,7 @@ def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
             stepped = scaler.get_scale() >= scale_before  # the scale drops exactly on skipped steps
         else:
             stepped = optimizer.step() is not False  # LAMB returns False on non-finite gradients
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step used, for the log
         if stepped:
             scheduler.step()  # as DLE: the schedule follows the steps actually taken
         optimizer.zero_grad(set_to_none=True)
@@ -342,7 +343,6 @@ def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
             loss_value = step_loss.item()  # a sync: only on log steps
             losses.append(loss_value)
             step_times.append(time.perf_counter() - step_start)
-            lr = optimizer.param_groups[0]["lr"]
             if rt.is_main:
                 logger.log(step, {"loss": loss_value, "mlm_loss": step_mlm.item(), "learning_rate": lr,
                                   "step_time_s": step_times[-1]})
