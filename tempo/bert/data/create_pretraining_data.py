@@ -312,7 +312,6 @@ def write_shard(path: Path, arrays: dict[str, np.ndarray], attrs: dict | None = 
 
 def _build_shard(job: dict) -> dict:
     """Worker: tokenize one group of documents, build instances, write the shard."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cfg = InstanceConfig(**job["cfg"])
     tokenizer = WordPieceTokenizer(job["vocab_file"], lower_case=job["lower_case"])
     vocab = _vocab_info(tokenizer)
@@ -349,6 +348,38 @@ def _build_shard(job: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+
+
+def _run_pool(jobs: list[dict], num_workers: int):
+    """Yield shard results from worker processes, in completion order."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+
+    # fork where available: spawn re-runs the caller's __main__, which fails for
+    # stdin/REPL drivers. Workers never touch torch; HF tokenizers is told, via
+    # the environment the children inherit, not to use its thread pool (this
+    # also silences its after-fork warning). An executor rather than a Pool: a
+    # worker killed by the OOM killer raises here instead of hanging forever.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with ProcessPoolExecutor(min(num_workers, len(jobs)), mp_context=multiprocessing.get_context(method)) as pool:
+            futures = [pool.submit(_build_shard, job) for job in jobs]
+            try:
+                for future in as_completed(futures):
+                    yield future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    except BrokenProcessPool as exc:
+        raise CorpusError(f"a shard worker process died (out of memory?): {exc}") from None
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def _create_shards(
@@ -412,12 +443,9 @@ def _create_shards(
                 results.append(_build_shard(job))
                 bar.update()
         else:
-            # spawn: safe after HF tokenizers' thread pool or torch have started threads.
-            ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(min(num_workers, len(jobs))) as pool:
-                for result in pool.imap_unordered(_build_shard, jobs):
-                    results.append(result)
-                    bar.update()
+            for result in _run_pool(jobs, num_workers):
+                results.append(result)
+                bar.update()
     finally:
         bar.close()
     stats = {
