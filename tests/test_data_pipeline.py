@@ -44,7 +44,7 @@ def _arrays(path: Path) -> dict[str, np.ndarray]:
 def test_shard_content_follows_the_dle_layout(corpus):
     vocab = load_vocab(corpus["vocab"])
     cls, sep, mask = vocab.index("[CLS]"), vocab.index("[SEP]"), vocab.index("[MASK]")
-    masked_as_mask = masked_total = 0
+    masked_as_mask = masked_total = kept = 0
     labels = set()
     for path in corpus["paths"]:
         a = _arrays(path)
@@ -67,10 +67,39 @@ def test_shard_content_follows_the_dle_layout(corpus):
             assert (real < length).all() and not np.isin(real, seps).any()
             masked_total += len(real)
             masked_as_mask += int((ids[real] == mask).sum())
+            kept += int((ids[real] == a["masked_lm_ids"][row][: len(real)]).sum())
             assert (a["masked_lm_ids"][row][len(real):] == 0).all()
     assert labels == {0, 1}  # both NSP labels present
     # 80% of the masked positions show [MASK]; with ~1000 predictions, 3 sigma is about +-0.04.
     assert abs(masked_as_mask / masked_total - 0.8) < 0.05, masked_as_mask / masked_total
+    # 10% keep their token (a random replacement can also hit it, rarely).
+    assert abs(kept / masked_total - 0.1) < 0.04, kept / masked_total
+
+
+def test_masking_labels_are_the_original_tokens_and_whole_words_stay_together():
+    from tempo.bert.data.create_pretraining_data import InstanceConfig, _mask_instance, _Vocab
+
+    continuation = np.zeros(100, dtype=bool)
+    continuation[50:] = True  # ids >= 50 play "##piece" tokens
+    vocab = _Vocab(cls_id=2, sep_id=3, mask_id=4, replacement_ids=list(range(5, 100)), is_continuation=continuation)
+    rng = __import__("random").Random(0)
+    tokens = [2] + [10, 60, 61, 11, 12, 62, 13] * 4 + [3] + [14, 63, 15] * 3 + [3]
+    structural = (0, 29, len(tokens) - 1)
+    for whole_word in (False, True):
+        cfg = InstanceConfig(max_seq_length=64, max_predictions_per_seq=12, masked_lm_prob=0.3,
+                             whole_word_mask=whole_word)
+        for _ in range(50):
+            output, positions, labels = _mask_instance(tokens, structural, cfg, vocab, rng)
+            assert labels == [tokens[p] for p in positions] and positions == sorted(set(positions))
+            assert not set(positions) & set(structural) and 1 <= len(positions) <= 12
+            assert all(output[i] == tokens[i] for i in range(len(tokens)) if i not in positions)
+            if whole_word:  # a masked piece implies its whole word is masked
+                chosen = set(positions)
+                for p in chosen:
+                    if continuation[tokens[p]]:
+                        assert p - 1 in chosen
+                    if p + 1 < len(tokens) and continuation[tokens[p + 1]] and p + 1 not in structural:
+                        assert p + 1 in chosen
 
 
 def test_labels_are_the_original_tokens(corpus):
@@ -100,13 +129,14 @@ def test_existing_dle_shard_with_int16_arrays_loads(tmp_path):
         f["input_ids"] = np.array([[101, 7, 102, 8, 102, 0]], dtype=np.int16)
         f["input_mask"] = np.array([[1, 1, 1, 1, 1, 0]], dtype=np.int16)
         f["segment_ids"] = np.array([[0, 0, 0, 1, 1, 0]], dtype=np.int16)
-        f["masked_lm_positions"] = np.array([[3, 0]], dtype=np.int16)
-        f["masked_lm_ids"] = np.array([[9, 0]], dtype=np.int16)
-        f["next_sentence_labels"] = np.array([1], dtype=np.int16)
+        f["masked_lm_positions"] = np.array([[3, 0, 4]], dtype=np.int16)  # the first 0 ends the list
+        f["masked_lm_ids"] = np.array([[9, 0, 5]], dtype=np.int16)
+        f["next_sentence_labels"] = np.array([1], dtype=np.uint8)
     sample = PretrainingShardDataset(path)[0]
-    assert sample["masked_lm_labels"].tolist() == [9, -1]
-    assert sample["masked_lm_positions"].tolist() == [3, 0]
-    assert sample["input_ids"].dtype == torch.int64
+    assert sample["masked_lm_labels"].tolist() == [9, -1, -1]
+    assert sample["masked_lm_positions"].tolist() == [3, 0, 0]
+    assert sample["next_sentence_labels"].tolist() == 1
+    assert all(v.dtype == torch.int64 for v in sample.values())
 
 
 def test_bad_shards_are_named(corpus, tmp_path):
@@ -161,6 +191,17 @@ def test_resume_continues_with_the_same_batches(corpus, num_workers):
     rest = _take(resumed, total - stop)
     assert all(_same(a, b) for a, b in zip(full[stop:], rest))
     assert resumed.state_dict()["epoch"] >= 1  # the comparison went past an epoch boundary
+    assert set(first.state_dict()) == {"epoch", "shard_index", "sample_offset"}
+
+
+def test_resume_accepts_the_older_state_keys(corpus):
+    first = PretrainingBatches(corpus["shards"], 16, seed=3)
+    _take(first, 3)
+    state = first.state_dict()
+    old = PretrainingBatches(corpus["shards"], 16, seed=3)
+    old.load_state_dict({"epoch": state["epoch"], "shard_position": state["shard_index"],
+                         "batch_in_shard": state["sample_offset"]})
+    assert old.state_dict() == state
 
 
 def test_ddp_ranks_split_the_single_process_batch(corpus):
@@ -172,6 +213,16 @@ def test_ddp_ranks_split_the_single_process_batch(corpus):
         assert r0 | r1 == rows(single[step]) and not (r0 & r1)
 
 
+def test_ddp_rank_slices_are_disjoint_and_cover_each_shard(corpus):
+    world = 3
+    ranks = [PretrainingBatches(corpus["shards"], 1, seed=4, rank=r, world_size=world) for r in range(world)]
+    for shard_index, n in enumerate(ranks[0].sizes):
+        slices = [{i for batch in stream._rank_batches(shard_index) for i in batch} for stream in ranks]
+        assert all(len(s) == n // world for s in slices)
+        assert not (slices[0] & slices[1] or slices[0] & slices[2] or slices[1] & slices[2])
+        assert len(set.union(*slices)) == n - n % world  # at most world_size - 1 samples rest this epoch
+
+
 def test_synthetic_batches():
     stream = SyntheticPretrainingBatches(batch_size=3, seq_len=16, max_predictions=4, vocab_size=100, seed=2)
     first = _take(stream, 3)
@@ -181,8 +232,25 @@ def test_synthetic_batches():
     positions = batch["masked_lm_positions"]
     assert (positions >= 1).all() and all(len(set(row.tolist())) == 4 for row in positions)
     again = SyntheticPretrainingBatches(batch_size=3, seq_len=16, max_predictions=4, vocab_size=100, seed=2)
-    again.load_state_dict({"index": 2})
+    again.load_state_dict({"epoch": 0, "shard_index": 0, "sample_offset": 2})
     assert _same(next(iter(again)), first[2])
+    assert stream.state_dict() == {"epoch": 0, "shard_index": 0, "sample_offset": 3}
+    assert torch.equal(batch["masked_lm_labels"], batch["input_ids"].gather(1, positions))
+
+
+def test_synthetic_batches_with_padding():
+    stream = SyntheticPretrainingBatches(batch_size=64, seq_len=12, max_predictions=5, vocab_size=50, seed=1,
+                                         min_seq_len=3)
+    batch = next(iter(stream))
+    lengths = batch["input_mask"].sum(1)
+    assert lengths.min() >= 3 and lengths.max() <= 12 and (lengths < 12).any()
+    assert torch.equal(batch["input_mask"], (torch.arange(12) < lengths[:, None]).long())
+    assert (batch["input_ids"][batch["input_mask"] == 0] == 0).all()
+    valid = batch["masked_lm_labels"] != -1
+    positions = batch["masked_lm_positions"]
+    assert (positions[valid] >= 1).all() and (positions[~valid] == 0).all()
+    assert ((positions < lengths[:, None]) | ~valid).all()
+    assert (valid.sum(1) == torch.clamp(lengths - 1, max=5)).all()  # short rows fill fewer slots
 
 
 def test_cli_reports_an_empty_input_dir(tmp_path):

@@ -9,15 +9,30 @@ A shard holds ``input_ids``, ``input_mask``, ``segment_ids`` [N, L], ``masked_lm
     masked_lm_labels                     [P] int64, -1 = no prediction in this slot
     next_sentence_labels                 []  int64 (1 = B is a random segment)
 
-Position 0 is [CLS] and never masked, so a 0 position marks a padded prediction slot.
+Position 0 is [CLS] and never masked, so the first 0 position ends the real predictions.
+Arrays stay in the shard's dtype in memory (int16 shards take a quarter of the int64 size)
+and are widened per sample.
 
 ``PretrainingBatches(input_dir, batch_size, seed, rank, world_size, num_workers)`` walks the
 shards in an order shuffled per epoch, each shard's samples in an order shuffled per (epoch,
 shard), and gives rank r the samples r, r + world_size, ... of that order. With that striding,
 the union of the ranks' k-th batches is exactly the k-th batch of one process with
 world_size × batch_size, so DDP and a single process see the same data. It is infinite
-(epoch after epoch); ``state_dict()`` names the next batch, so a resumed run continues with
-exactly the batches the uninterrupted run would have seen.
+(epoch after epoch); ``state_dict()`` -> ``{"epoch", "shard_index", "sample_offset"}`` names
+the next batch (``shard_index``: position in that epoch's shard order; ``sample_offset``: batches
+of this rank already taken from that shard), so a resumed run continues with exactly the batches
+the uninterrupted run would have seen::
+
+    batches = PretrainingBatches("shards/", batch_size=32, seed=1, rank=0, world_size=1)
+    for step, batch in zip(range(1000), batches):
+        ...
+    state = batches.state_dict()          # store it in the checkpoint
+    resumed = PretrainingBatches("shards/", batch_size=32, seed=1)
+    resumed.load_state_dict(state)        # yields batch 1000, 1001, ... of the first run
+
+Every rank must use the same ``seed`` and ``batch_size``; each gets ``len(shard) // world_size``
+samples per shard, so the ranks stay in step (at most ``world_size - 1`` samples per shard and
+the incomplete last batch are left out of an epoch; different ones every epoch).
 """
 
 from __future__ import annotations
@@ -80,6 +95,15 @@ def shard_shapes(path: Path) -> tuple[int, int, int]:
     return n, length, predictions
 
 
+def _signed(array: np.ndarray) -> np.ndarray:
+    """Keep the stored integer width; make unsigned/bool types signed so torch can hold them."""
+    if array.dtype == np.bool_ or array.dtype in (np.uint8, np.int8):
+        return array.astype(np.int16)  # int16: -1 labels and widening stay simple
+    if array.dtype.kind == "u":
+        return array.astype(np.int64 if array.dtype.itemsize >= 4 else np.int32)
+    return np.ascontiguousarray(array)
+
+
 class PretrainingShardDataset(Dataset):
     """One shard, read into memory at construction (then the file is closed)."""
 
@@ -88,16 +112,19 @@ class PretrainingShardDataset(Dataset):
         shard_shapes(self.path)
         try:
             with _open(self.path) as f:
-                arrays = {k: np.asarray(f[k][...], dtype=np.int64) for k in SHARD_KEYS}
+                arrays = {k: _signed(f[k][...]) for k in SHARD_KEYS}
         except (OSError, ValueError, RuntimeError) as exc:  # h5py raises these on damaged data
             raise ShardError(f"cannot read shard {self.path}: {exc}") from None
         positions = arrays["masked_lm_positions"]
+        real = np.cumprod(positions != 0, axis=1).astype(bool)
+        ids = arrays["masked_lm_ids"]
+        labels = np.where(real, ids, -1).astype(np.int32 if ids.dtype.itemsize <= 4 else np.int64)
         self.tensors = {
             "input_ids": torch.from_numpy(arrays["input_ids"]),
             "segment_ids": torch.from_numpy(arrays["segment_ids"]),
             "input_mask": torch.from_numpy(arrays["input_mask"]),
-            "masked_lm_positions": torch.from_numpy(positions),
-            "masked_lm_labels": torch.from_numpy(np.where(positions != 0, arrays["masked_lm_ids"], -1)),
+            "masked_lm_positions": torch.from_numpy(np.where(real, positions, 0).astype(positions.dtype)),
+            "masked_lm_labels": torch.from_numpy(labels),
             "next_sentence_labels": torch.from_numpy(arrays["next_sentence_labels"]),
         }
 
@@ -105,7 +132,7 @@ class PretrainingShardDataset(Dataset):
         return len(self.tensors["input_ids"])
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {k: v[index] for k, v in self.tensors.items()}
+        return {k: v[index].long() for k, v in self.tensors.items()}
 
 
 class PretrainingBatches:
@@ -116,6 +143,8 @@ class PretrainingBatches:
                  max_predictions_per_seq: int | None = None, pin_memory: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.shards = list_shards(input_dir)
         self.batch_size, self.seed = batch_size, seed
         self.rank, self.world_size = rank, world_size
@@ -134,6 +163,18 @@ class PretrainingBatches:
             raise ShardError(f"the shards in {input_dir} hold {sum(self.sizes)} samples: not one batch of "
                              f"{batch_size} per rank for {world_size} rank(s)")
         self.epoch = self.shard_position = self.batch_in_shard = 0
+        self._cached: tuple[int, PretrainingShardDataset] | None = None
+
+    def _dataset(self, shard_index: int) -> PretrainingShardDataset:
+        # Keep the last shard: with one shard (or a repeat across an epoch boundary) it is reused.
+        if self._cached is None or self._cached[0] != shard_index:
+            self._cached = None  # free the previous shard before reading the next
+            self._cached = (shard_index, PretrainingShardDataset(self.shards[shard_index]))
+        return self._cached[1]
+
+    def batches_per_epoch(self) -> int:
+        """Batches this rank takes from one pass over all shards."""
+        return sum(self._batches_in(n) for n in self.sizes)
 
     def _batches_in(self, n: int) -> int:
         return (n // self.world_size) // self.batch_size
@@ -154,12 +195,15 @@ class PretrainingBatches:
 
     def state_dict(self) -> dict[str, int]:
         """Position of the next batch this stream will yield."""
-        return {"epoch": self.epoch, "shard_position": self.shard_position, "batch_in_shard": self.batch_in_shard}
+        return {"epoch": self.epoch, "shard_index": self.shard_position, "sample_offset": self.batch_in_shard}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # shard_position/batch_in_shard: the key names of checkpoints written before 2026-11-22.
         self.epoch = int(state["epoch"])
-        self.shard_position = int(state["shard_position"])
-        self.batch_in_shard = int(state["batch_in_shard"])
+        self.shard_position = int(state["shard_index"] if "shard_index" in state else state["shard_position"])
+        self.batch_in_shard = int(state["sample_offset"] if "sample_offset" in state else state["batch_in_shard"])
+        if not 0 <= self.shard_position <= len(self.shards) or self.batch_in_shard < 0 or self.epoch < 0:
+            raise ValueError(f"data state {dict(state)} does not fit {len(self.shards)} shard(s)")
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
@@ -168,7 +212,7 @@ class PretrainingBatches:
                 shard_index = order[self.shard_position]
                 batches = self._rank_batches(shard_index)[self.batch_in_shard:]
                 if batches:
-                    dataset = PretrainingShardDataset(self.shards[shard_index])
+                    dataset = self._dataset(shard_index)
                     # A private generator: a DataLoader iterator otherwise draws its worker seed from
                     # the global RNG, which would shift the dropout stream of a resumed run.
                     generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, shard_index)) % 2**63)
