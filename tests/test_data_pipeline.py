@@ -272,14 +272,6 @@ def test_cli_trains_a_vocab_when_none_is_given(corpus, tmp_path):
     assert list_shards(tmp_path / "out")
 
 
-def test_vocab_training_is_deterministic(corpus, tmp_path):
-    files = sorted(corpus["text"].glob("*.txt"))
-    first = load_vocab(train_wordpiece_vocab(files, 300, tmp_path / "a.txt"))
-    second = load_vocab(train_wordpiece_vocab(files, 300, tmp_path / "b.txt"))
-    assert first == second and len(first) == 300 and len(set(first)) == 300
-    assert first[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
 def test_vocab_errors_name_the_file(tmp_path):
     with pytest.raises(DataError, match="no_such_vocab.txt"):
         load_vocab(tmp_path / "no_such_vocab.txt")

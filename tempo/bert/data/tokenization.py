@@ -7,17 +7,14 @@ be encoded with ``encode_batch``. Special tokens are *not* added here: the
 instance builder places [CLS]/[SEP] itself.
 
 ``train_wordpiece_vocab(files, vocab_size, out_path)`` learns a vocab.txt from
-raw text when no vocabulary is supplied (BPE-style merges like HF's WordPiece
-trainer, with deterministic tie-breaking). [PAD] is always id 0 because the DLE
+raw text when no vocabulary is supplied. [PAD] is always id 0 because the DLE
 shard format pads ``input_ids`` and ``masked_lm_ids`` with 0.
 """
 
 from __future__ import annotations
 
-import heapq
 import os
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -122,89 +119,6 @@ class WordPieceTokenizer:
         return {i for i, t in enumerate(self.vocab) if t.startswith("[") and t.endswith("]")}
 
 
-def _count_words(files: Sequence[str | os.PathLike], lower_case: bool) -> Counter:
-    from tokenizers import Tokenizer, models
-
-    # The same normalizer and pre-tokenizer as encoding, so the learned pieces fit the words
-    # the tokenizer will actually see.
-    pipeline = _bert_pipeline(Tokenizer(models.WordPiece(vocab={"[UNK]": 0}, unk_token="[UNK]")), lower_case)
-    normalize, split = pipeline.normalizer.normalize_str, pipeline.pre_tokenizer.pre_tokenize_str
-    counts: Counter = Counter()
-    for path in files:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if line.strip():
-                        counts.update(word for word, _ in split(normalize(line)))
-        except OSError as exc:
-            raise VocabError(f"cannot read {path} to train a vocab: {exc}") from None
-    return counts
-
-
-def _learn_pieces(counts: Counter, budget: int, min_frequency: int) -> list[str]:
-    """Alphabet plus pieces from greedy pair merges, most frequent pair first.
-
-    Like the BPE-style WordPiece trainer of HF ``tokenizers``, but ties are broken by the
-    pair's text, so the result is the same on every run (the Rust trainer's hash-map order
-    is not).
-    """
-    words = [[w[0]] + ["##" + c for c in w[1:]] for w in counts]
-    freqs = list(counts.values())
-    alphabet = sorted({sym for word in words for sym in word})
-    pieces = list(alphabet)
-    known = set(pieces)
-
-    pair_counts: Counter = Counter()
-    where: dict[tuple[str, str], set[int]] = {}
-    for i, word in enumerate(words):
-        for pair in zip(word, word[1:]):
-            pair_counts[pair] += freqs[i]
-            where.setdefault(pair, set()).add(i)
-    heap = [(-c, pair) for pair, c in pair_counts.items()]
-    heapq.heapify(heap)
-
-    def merged(a: str, b: str) -> str:
-        return a + b[2:]
-
-    while len(pieces) < budget and heap:
-        negative, pair = heapq.heappop(heap)
-        if pair_counts.get(pair, 0) != -negative:
-            continue  # stale heap entry
-        if -negative < min_frequency:
-            break
-        new = merged(*pair)
-        if new not in known:
-            known.add(new)
-            pieces.append(new)
-        changed: set[tuple[str, str]] = set()
-        for i in sorted(where.pop(pair, ())):
-            word, freq = words[i], freqs[i]
-            for old in zip(word, word[1:]):
-                pair_counts[old] -= freq
-                changed.add(old)
-            out, j = [], 0
-            while j < len(word):
-                if j + 1 < len(word) and (word[j], word[j + 1]) == pair:
-                    out.append(new)
-                    j += 2
-                else:
-                    out.append(word[j])
-                    j += 1
-            words[i] = out
-            for fresh in zip(out, out[1:]):
-                pair_counts[fresh] += freq
-                where.setdefault(fresh, set()).add(i)
-                changed.add(fresh)
-        pair_counts.pop(pair, None)
-        for other in changed:
-            count = pair_counts.get(other, 0)
-            if count > 0:
-                heapq.heappush(heap, (-count, other))
-            else:
-                pair_counts.pop(other, None)
-    return pieces[:budget]
-
-
 def train_wordpiece_vocab(
     files: Sequence[str | os.PathLike],
     vocab_size: int,
@@ -215,22 +129,28 @@ def train_wordpiece_vocab(
     """Learn a WordPiece vocab from text files and write it as vocab.txt.
 
     The special tokens come first in a fixed order ([PAD]=0, [UNK]=1, [CLS]=2,
-    [SEP]=3, [MASK]=4), then the characters seen (as word starts and ``##``
-    continuations), then merged pieces; fewer than ``vocab_size`` tokens when
-    the corpus has no more pairs seen ``min_frequency`` times. Deterministic.
-    Meant for small and medium corpora (pure Python); for Wikipedia-scale text
-    pass BERT's own vocab.txt instead. Written atomically; returns ``out_path``.
+    [SEP]=3, [MASK]=4). The file is written atomically. Returns ``out_path``.
     """
-    files = list(files)
+    from tokenizers import Tokenizer, models, trainers
+
+    files = [str(f) for f in files]
     if not files:
         raise VocabError(f"no text files to train a vocab for {out_path}")
     if vocab_size <= len(SPECIAL_TOKENS):
         raise VocabError(f"vocab_size must exceed {len(SPECIAL_TOKENS)}, got {vocab_size}")
-    counts = _count_words(files, lower_case)
-    if not counts:
-        raise VocabError(f"no words in {files[0]}{' and the other files' if len(files) > 1 else ''} to train a vocab")
-    pieces = [p for p in _learn_pieces(counts, vocab_size, min_frequency) if p not in SPECIAL_TOKENS]
-    tokens = list(SPECIAL_TOKENS) + pieces[: vocab_size - len(SPECIAL_TOKENS)]
+    tokenizer = _bert_pipeline(Tokenizer(models.WordPiece(unk_token="[UNK]")), lower_case)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        continuing_subword_prefix="##",
+        show_progress=False,
+    )
+    tokenizer.train(files, trainer)
+    vocab = tokenizer.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    if tokens[: len(SPECIAL_TOKENS)] != list(SPECIAL_TOKENS):
+        raise VocabError("tokenizers did not place the special tokens first")  # defensive
     out_path = Path(out_path)
     _atomic_write_text(out_path, "".join(t + "\n" for t in tokens))
     return out_path
