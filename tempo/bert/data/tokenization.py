@@ -130,6 +130,11 @@ def train_wordpiece_vocab(
 
     The special tokens come first in a fixed order ([PAD]=0, [UNK]=1, [CLS]=2,
     [SEP]=3, [MASK]=4). The file is written atomically. Returns ``out_path``.
+
+    HF ``tokenizers`` trains the vocabulary; its trainer breaks ties between equally frequent
+    pieces in hash order, so two trainings on the same text can differ in their rarest pieces
+    (seen even with TOKENIZERS_PARALLELISM=false). Shards are reproducible given a vocab file:
+    train once, keep the vocab.txt, and pass it as --vocab_file.
     """
     from tokenizers import Tokenizer, models, trainers
 
