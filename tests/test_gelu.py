@@ -38,16 +38,35 @@ def test_matches_fp64_reference(backend, device, dtype, numel):
     assert (x.grad.double() - expected_grad).abs().max() <= grad_tol * max(1.0, grad.abs().max().item())
 
 
+def fp_neighbours(value: float, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` rounded to ``dtype`` and its ``count`` nearest representable neighbours each side."""
+    centre = torch.tensor(value, dtype=dtype)
+    up, down = [centre], [centre]
+    for _ in range(count):
+        up.append(torch.nextafter(up[-1], torch.tensor(1.0, dtype=dtype)))
+        down.append(torch.nextafter(down[-1], torch.tensor(-1.0, dtype=dtype)))
+    return torch.stack(down[::-1] + up[1:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_derivative_accuracy_over_the_range(backend, device, dtype):
     """The issue's bounds: |GELU'(recovered) - GELU'(x)| over x in [-12, 12], worst near x*."""
-    grid = torch.cat([torch.linspace(-12, 12, 24001, dtype=torch.float64),
+    grid = torch.cat([torch.linspace(-12, 12, 100001, dtype=torch.float64),
                       X_STAR + torch.linspace(-0.02, 0.02, 4001, dtype=torch.float64),
+                      X_STAR + torch.linspace(-3e-4, 3e-4, 601, dtype=torch.float64),
                       torch.tensor([0.0, X_STAR, -5.5, -5.6, 12.0], dtype=torch.float64)])
-    x = grid.to(device=device, dtype=dtype).requires_grad_()
+    x = torch.cat([grid.to(dtype), fp_neighbours(X_STAR, 300, dtype)]).to(device).requires_grad_()
     inplace_gelu(x).backward(torch.ones_like(x))
     error = (x.grad.double() - exact_derivative(x.detach())).abs().max().item()
     assert error <= (2e-4 if dtype == torch.float32 else 3e-2), error
+
+
+def test_forward_near_the_minimum_is_rounded_once(backend, device):
+    """Backward amplifies y's rounding error at x*: y there must be within 1 ULP of fp64 rounded once."""
+    x = X_STAR + torch.linspace(-0.06, 0.06, 2001, device=device)
+    expected = F.gelu(x.double()).float()
+    ulp = torch.nextafter(expected.abs(), torch.tensor(1.0, device=device)) - expected.abs()
+    assert ((inplace_gelu(x) - expected).abs() <= ulp).all()
 
 
 def test_reference_helper_recovers_the_derivative():
