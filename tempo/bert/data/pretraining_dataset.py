@@ -81,17 +81,20 @@ def shard_shapes(path: Path) -> tuple[int, int, int]:
         missing = [k for k in SHARD_KEYS if k not in f]
         if missing:
             raise ShardError(f"shard {path} lacks dataset(s) {missing}; expected {list(SHARD_KEYS)}")
-        n, length = f["input_ids"].shape if f["input_ids"].ndim == 2 else (None, None)
-        if n is None:
-            raise ShardError(f"shard {path}: input_ids must be 2-D [N, L], got shape {f['input_ids'].shape}")
+        for key in SHARD_KEYS:  # all six, input_ids included: a float one would be cast silently
+            dtype = getattr(f[key], "dtype", None)  # None: an HDF5 group, not an array
+            if dtype is None or dtype.kind not in "iub":
+                raise ShardError(f"shard {path}: {key} must hold integers, got {dtype}")
+        for key in ("input_ids", "masked_lm_positions"):  # the shapes the others are checked against
+            if f[key].ndim != 2:
+                raise ShardError(f"shard {path}: {key} must be 2-D [N, L] / [N, P], got shape {f[key].shape}")
+        n, length = f["input_ids"].shape
         predictions = f["masked_lm_positions"].shape[-1]
         expected = {"input_mask": (n, length), "segment_ids": (n, length), "masked_lm_positions": (n, predictions),
                     "masked_lm_ids": (n, predictions), "next_sentence_labels": (n,)}
         for key, shape in expected.items():
             if tuple(f[key].shape) != shape:
                 raise ShardError(f"shard {path}: {key} has shape {tuple(f[key].shape)}, expected {shape}")
-            if f[key].dtype.kind not in "iub":
-                raise ShardError(f"shard {path}: {key} must hold integers, got {f[key].dtype}")
     return n, length, predictions
 
 
