@@ -1,0 +1,495 @@
+"""Efficient attention: ``scaled_dot_product_attention`` that keeps O(s) per row for backward.
+
+Eager attention keeps, for backward, the s×s softmax output, the s×s dropout mask and the s×s
+dropout output. This op keeps only ``q``, ``k``, ``v``, its output, one log-sum-exp per query row
+(fp32; fp64 for fp64 inputs) and a 0-d int64 dropout seed, plus ``attn_mask`` when given (the
+caller's tensor, which the caller holds anyway). Backward recomputes each block of scores from
+``q`` and ``k``, the probabilities from the log-sum-exp, and the dropout mask from the seed
+(FlashAttention-2's backward: D = rowsum(dO·O), P = exp(S − lse), dV += P_dropᵀ dO,
+dP = dO Vᵀ ∘ keep/(1−p), dS = P ∘ (dP − D), dQ += scale·dS K, dK += scale·dSᵀ Q).
+
+Paths
+  * CUDA (backend "auto" or "triton"): PyTorch's fused sdpa kernels, inside
+    ``torch.nn.attention.sdpa_kernel`` with the math backend excluded: flash, then efficient, then
+    cuDNN without a mask; efficient or cuDNN with one. sdpa's own autograd keeps the same kind of
+    O(s) state (q, k, v, out, lse, philox seed/offset, the mask). When no fused kernel accepts the
+    call (fp64, an unsupported head dim, ...) the tiled reference path below runs instead and the
+    case is logged once (logger "tempo"). Under torch.compile the check is skipped and sdpa is
+    called directly, so an unsupported call fails with sdpa's own "No available kernel" error.
+    There is no Triton kernel of ours: without a measurement showing one beats PyTorch's fused
+    kernels we use those, so forcing backend "triton" selects the sdpa path on CUDA and the
+    reference path on the CPU (no error).
+  * Reference (the CPU, backend "reference" anywhere, the CUDA fallback): a
+    ``tempo::efficient_attention_fwd`` / ``_bwd`` custom-op pair that loops over tiles of
+    ``BLOCK_Q`` query rows × ``BLOCK_K`` keys, batched over (batch, heads), with an online
+    softmax in fp32 (fp64 for fp64 inputs). It never holds more than one tile of scores; for
+    s <= 128 there is one tile.
+
+Semantics (those of ``torch.nn.functional.scaled_dot_product_attention``)
+  * ``q`` (b, h, s_q, d), ``k`` (b, h, s_k, d), ``v`` (b, h, s_k, d_v); same dtype and device.
+    ``scale`` defaults to 1/sqrt(d). ``is_causal``: query i attends keys j <= i (upper-left
+    aligned, as sdpa); it cannot be combined with ``attn_mask``.
+  * ``attn_mask`` broadcasts to (b, h, s_q, s_k): bool (True = attend) or an additive float mask
+    of any float dtype (it is cast to the inputs' dtype for the fused kernels). BERT's key-padding
+    masks are (b, 1, 1, s_k). A row whose keys are all masked (bool False or -inf) gives output 0
+    and gradient 0, never NaN. Additive ``finfo.min`` entries are numbers, as in eager and sdpa:
+    a row masked only by finfo.min attends uniformly. When a key-padding mask masks nothing the
+    caller should pass ``None`` instead: the fused flash kernel takes no mask at all. A float mask
+    that requires grad gets its gradient (the gradient of the scores).
+  * Dropout (only when ``training`` and ``dropout_p > 0``) drops probabilities after the softmax
+    and scales the kept ones by 1/(1−p). On the reference path the keep mask is a pure function of
+    (seed, (b, h, s_q, s_k), p, device type): tile (i, j) is drawn as one ``torch.rand`` of shape
+    (b, h, tile rows, tile cols) from a ``torch.Generator`` seeded with a hash of (seed, i, j);
+    ``attention_keep_mask`` regenerates the whole mask. The seed is drawn from torch's RNG, so
+    ``torch.manual_seed`` and ``torch.utils.checkpoint`` reproduce it. On the sdpa path the mask
+    is sdpa's own (CUDA philox) and cannot be regenerated here.
+  * Autocast (custom ops are not on autocast's lists, so this function decides): fp32/fp16/bf16
+    inputs are cast to the autocast dtype and the output has that dtype, as sdpa under autocast.
+  * The output is a (b, h, s_q, d_v) tensor stored as (b, s_q, h, d_v): ``out.transpose(1, 2)`` is
+    contiguous, so merging the heads for the output projection is a view, not a copy. Gradients
+    of q, k, v come back in the layout of q, k, v.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from tempo.ops._backend import check_float_tensor, check_probability, requested_backend
+
+_OP = "efficient_attention"
+# Tile sizes of the reference path. They fix the layout of the dropout mask's random stream, so
+# changing them changes which elements a given seed drops.
+BLOCK_Q = 128
+BLOCK_K = 128
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+_MASK64 = (1 << 64) - 1
+
+logger = logging.getLogger("tempo")
+_logged_fallbacks: set[str] = set()
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp64 inputs keep an fp64 lse: an fp32 one would cap the gradient's precision at ~1e-7.
+    return _compute_dtype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout mask: one generator state per (query tile, key tile), batched over (b, h).
+# ----------------------------------------------------------------------------------------------
+def _tile_seed(seed: int, qi: int, ki: int) -> int:
+    """splitmix64 of (seed, qi, ki): the CPU generator uses only 32 bits of its seed, so mix all in."""
+    z = (seed ^ (qi << 42) ^ (ki << 21)) & _MASK64
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _uniform_tile(gen: torch.Generator, seed: int, qi: int, ki: int, shape: tuple[int, ...],
+                  device: torch.device) -> Tensor:
+    gen.manual_seed(_tile_seed(seed, qi, ki))
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+
+
+def _dropout_tile(gen: torch.Generator, seed: int, qi: int, ki: int, shape: tuple[int, ...], p: float,
+                  device: torch.device, dtype: torch.dtype) -> Tensor:
+    """keep / (1 - p) as a float tile (one multiply applies mask and scale)."""
+    u = _uniform_tile(gen, seed, qi, ki, shape, device)
+    return u.ge_(p).to(dtype).mul_(1.0 / (1.0 - p))
+
+
+def _blocks(n: int, block: int) -> list[tuple[int, int, int]]:
+    return [(i, start, min(start + block, n)) for i, start in enumerate(range(0, n, block))]
+
+
+def attention_keep_mask(seed: Tensor | int, shape, dropout_p: float, device=None) -> Tensor:
+    """The bool keep-mask (True = kept) the reference path draws for scores of ``shape``.
+
+    ``shape`` is (b, h, s_q, s_k); ``seed`` the 0-d int64 seed (or an int). Materialises the full
+    s_q × s_k mask: for tests, not for training.
+    """
+    b, h, s_q, s_k = (int(n) for n in shape)
+    if device is None:
+        device = seed.device if isinstance(seed, Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    p = check_probability(dropout_p, "dropout_p", "attention_keep_mask")
+    seed_int = int(seed.item()) if isinstance(seed, Tensor) else int(seed)
+    keep = torch.empty((b, h, s_q, s_k), dtype=torch.bool, device=device)
+    gen = torch.Generator(device=device)
+    for qi, q0, q1 in _blocks(s_q, BLOCK_Q):
+        for ki, k0, k1 in _blocks(s_k, BLOCK_K):
+            keep[:, :, q0:q1, k0:k1] = _uniform_tile(gen, seed_int, qi, ki, (b, h, q1 - q0, k1 - k0), device) >= p
+    return keep
+
+
+def draw_seed(device: torch.device | str) -> Tensor:
+    """A 0-d int64 seed from torch's RNG on ``device``, without a host sync."""
+    return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference implementation: tiles of scores, batched over (batch, heads).
+# ----------------------------------------------------------------------------------------------
+def _as_4d(mask: Optional[Tensor]) -> Optional[Tensor]:
+    if mask is None:
+        return None
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def _mask_tile(mask4: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    # Broadcast dims (size 1) stay whole; the tile broadcasts against (b, h, rows, cols).
+    rows = slice(q0, q1) if mask4.shape[2] != 1 else slice(None)
+    cols = slice(k0, k1) if mask4.shape[3] != 1 else slice(None)
+    return mask4[:, :, rows, cols]
+
+
+def _scores(qs: Tensor, kc: Tensor, mask4: Optional[Tensor], is_causal: bool,
+            q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    """Masked scores of one tile; ``qs`` is the scaled query tile. Forward and backward share it."""
+    s = torch.matmul(qs, kc[:, :, k0:k1].transpose(-1, -2))
+    if mask4 is not None:
+        tile = _mask_tile(mask4, q0, q1, k0, k1)
+        if tile.dtype == torch.bool:
+            s.masked_fill_(torch.logical_not(tile), float("-inf"))
+        else:
+            s.add_(tile)
+    if is_causal and k1 - 1 > q0:  # the tile crosses the diagonal
+        rows = torch.arange(q0, q1, device=s.device)[:, None]
+        cols = torch.arange(k0, k1, device=s.device)[None, :]
+        s.masked_fill_(cols > rows, float("-inf"))
+    return s
+
+
+def _key_blocks(is_causal: bool, q1: int, s_k: int) -> list[tuple[int, int, int]]:
+    """Key tiles a query tile ending at row q1 sees. Tile bounds never depend on causality (the
+    dropout stream is laid out per tile); causal only drops the tiles past the diagonal, which
+    the tile's last query row q1 - 1 cannot attend."""
+    tiles = _blocks(s_k, BLOCK_K)
+    return [t for t in tiles if t[1] < q1] if is_causal else tiles
+
+
+def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], seed: Tensor,
+                       p: float, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    b, h, s_q, _ = q.shape
+    s_k, d_v = k.shape[2], v.shape[3]
+    cdt = _compute_dtype(q.dtype)
+    out = q.new_empty_strided((b, h, s_q, d_v), (s_q * h * d_v, d_v, h * d_v, 1))
+    lse = torch.empty((b, h, s_q), dtype=_lse_dtype(q.dtype), device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    qs = q.to(cdt) * scale  # O(s·d) transients; scaling q is cheaper than scaling every score
+    kc, vc = k.to(cdt), v.to(cdt)
+    mask4 = _as_4d(mask)
+    dropout = p > 0.0
+    seed_int = int(seed.item()) if dropout else 0  # host sync: this is the CPU / fallback path
+    gen = torch.Generator(device=q.device) if dropout else None
+    for qi, q0, q1 in _blocks(s_q, BLOCK_Q):
+        qt = qs[:, :, q0:q1]
+        m = l = acc = None
+        for ki, k0, k1 in _key_blocks(is_causal, q1, s_k):
+            s = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1)
+            m_tile = s.amax(dim=-1)
+            m_new = m_tile if m is None else torch.maximum(m, m_tile)
+            # Rows with every key so far at -inf shift by 0, so exp gives 0 rather than NaN.
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            probs = s.sub_(m_safe.unsqueeze(-1)).exp_()
+            row_sum = probs.sum(dim=-1)
+            if dropout:  # l sums the undropped probabilities; only the values are dropped
+                probs.mul_(_dropout_tile(gen, seed_int, qi, ki, tuple(probs.shape), p, q.device, cdt))
+            pv = torch.matmul(probs, vc[:, :, k0:k1])
+            if m is None:
+                l, acc = row_sum, pv
+            else:
+                alpha = torch.exp(m - m_safe)  # m = -inf (nothing seen yet) gives 0
+                l = l.mul_(alpha).add_(row_sum)
+                acc = acc.mul_(alpha.unsqueeze(-1)).add_(pv)
+            m = m_new
+            del s, probs
+        if m is None:  # s_k == 0: no keys at all
+            out[:, :, q0:q1] = 0
+            lse[:, :, q0:q1] = float("inf")
+            continue
+        empty = l == 0  # every key masked: output 0, and lse = +inf makes exp(S - lse) = 0 in backward
+        factor = torch.where(empty, 0.0, 1.0 / l.masked_fill(empty, 1.0))
+        out[:, :, q0:q1] = acc.mul_(factor.unsqueeze(-1))
+        m_safe = m.masked_fill(m == float("-inf"), 0.0)
+        lse[:, :, q0:q1] = torch.where(empty, float("inf"), m_safe + torch.log(l.masked_fill(empty, 1.0)))
+    return out, lse
+
+
+def _reduce_to(t: Tensor, shape: torch.Size) -> Tensor:
+    """Sum ``t`` over the dims where ``shape`` has size 1 (broadcast dims of a mask tile)."""
+    dims = [i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        mask: Optional[Tensor], seed: Tensor, p: float, is_causal: bool, scale: float,
+                        mask_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    s_q, s_k = q.shape[2], k.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    qs = q.to(cdt) * scale
+    kc, vc = k.to(cdt), v.to(cdt)
+    g = grad_out.to(cdt)
+    # D_i = sum_j P_ij dP_ij = rowsum(dO * O), dropout included (O already holds it).
+    delta = (g * out.to(cdt)).sum(dim=-1)
+    dq = torch.zeros_like(q, dtype=cdt)
+    dk = torch.zeros_like(k, dtype=cdt)
+    dv = torch.zeros_like(v, dtype=cdt)
+    mask4 = _as_4d(mask)
+    dmask4 = torch.zeros(mask4.shape, dtype=cdt, device=q.device) if mask_needs_grad else None
+    dropout = p > 0.0
+    seed_int = int(seed.item()) if dropout else 0
+    gen = torch.Generator(device=q.device) if dropout else None
+    lse_c = lse.to(cdt)
+    for qi, q0, q1 in _blocks(s_q, BLOCK_Q):
+        qt, gt = qs[:, :, q0:q1], g[:, :, q0:q1]
+        lse_t, delta_t = lse_c[:, :, q0:q1].unsqueeze(-1), delta[:, :, q0:q1].unsqueeze(-1)
+        for ki, k0, k1 in _key_blocks(is_causal, q1, s_k):
+            probs = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1).sub_(lse_t).exp_()
+            dp = torch.matmul(gt, vc[:, :, k0:k1].transpose(-1, -2))
+            if dropout:
+                z = _dropout_tile(gen, seed_int, qi, ki, tuple(probs.shape), p, q.device, cdt)
+                dv[:, :, k0:k1] += torch.matmul((probs * z).transpose(-1, -2), gt)
+                dp.mul_(z)
+                del z
+            else:
+                dv[:, :, k0:k1] += torch.matmul(probs.transpose(-1, -2), gt)
+            ds = dp.sub_(delta_t).mul_(probs)  # dS = P * (dP - D), in dp's storage
+            del probs
+            if dmask4 is not None:
+                rows = slice(q0, q1) if dmask4.shape[2] != 1 else slice(None)
+                cols = slice(k0, k1) if dmask4.shape[3] != 1 else slice(None)
+                target = dmask4[:, :, rows, cols]
+                target += _reduce_to(ds, target.shape)
+            dq[:, :, q0:q1] += torch.matmul(ds, kc[:, :, k0:k1])
+            dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)  # qt carries the scale
+            del ds
+    dq.mul_(scale)
+    dmask = dmask4.reshape(mask.shape).to(mask.dtype) if dmask4 is not None else q.new_empty(0)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: forward returns (out, lse); lse is not differentiable.
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("tempo::efficient_attention_fwd", mutates_args=())
+def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Tensor,
+                      dropout_p: float, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    with torch.autocast(q.device.type, enabled=False):
+        return _reference_forward(q, k, v, attn_mask, seed, dropout_p, is_causal, scale)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale):
+    b, h, s_q, _ = q.shape
+    d_v = v.shape[3]
+    out = q.new_empty_strided((b, h, s_q, d_v), (s_q * h * d_v, d_v, h * d_v, 1))
+    return out, q.new_empty((b, h, s_q), dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("tempo::efficient_attention_bwd", mutates_args=())
+def _attention_bwd_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      attn_mask: Optional[Tensor], seed: Tensor, dropout_p: float, is_causal: bool,
+                      scale: float, mask_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask); dmask is empty unless ``mask_needs_grad``."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _reference_backward(grad_out, q, k, v, out, lse, attn_mask, seed, dropout_p,
+                                   is_causal, scale, mask_needs_grad)
+
+
+@_attention_bwd_op.register_fake
+def _(grad_out, q, k, v, out, lse, attn_mask, seed, dropout_p, is_causal, scale, mask_needs_grad):
+    dmask = torch.empty_like(attn_mask) if mask_needs_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, seed, dropout_p, is_causal, scale = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask)
+    ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, seed, attn_mask = ctx.saved_tensors
+    mask_needs_grad = attn_mask is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dmask = _attention_bwd_op(grad_out, q, k, v, out, lse, attn_mask, seed, ctx.dropout_p,
+                                          ctx.is_causal, ctx.scale, mask_needs_grad)
+    return dq, dk, dv, (dmask if mask_needs_grad else None), None, None, None, None
+
+
+_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: PyTorch's fused kernels, never the math one.
+# ----------------------------------------------------------------------------------------------
+def _fused_backends(has_mask: bool) -> list:
+    from torch.nn.attention import SDPBackend
+
+    if has_mask:  # flash takes no mask
+        return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
+def _fused_kernel_accepts(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float,
+                          is_causal: bool) -> bool:
+    import torch.backends.cuda as cuda_backends
+
+    params = cuda_backends.SDPAParams(q, k, v, mask, p, is_causal, False)
+    checks = ["can_use_efficient_attention", "can_use_cudnn_attention"]
+    if mask is None:
+        checks.insert(0, "can_use_flash_attention")
+    for name in checks:
+        check = getattr(cuda_backends, name, None)  # cuDNN's check is missing on older torch
+        if check is not None and check(params, False):
+            return True
+    return False
+
+
+def _log_fallback_once(reason: str) -> None:
+    if reason not in _logged_fallbacks:
+        _logged_fallbacks.add(reason)
+        logger.warning("%s: no fused sdpa kernel accepts %s; running Tempo's tiled reference "
+                       "attention instead (same O(s) memory, slower)", _OP, reason)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_causal: bool,
+          scale: float) -> Tensor:
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_fused_backends(mask is not None)):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functional and module.
+# ----------------------------------------------------------------------------------------------
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(t, name, _OP)
+        if t.dim() != 4:
+            raise ValueError(f"{_OP}: argument '{name}' must be 4-D (batch, heads, seq, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{_OP}: arguments 'q', 'k', 'v' must have the same dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{_OP}: arguments 'q', 'k', 'v' must be on the same device, got "
+                         f"{q.device}, {k.device}, {v.device}")
+    for dim, what in ((0, "batch"), (1, "heads")):
+        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
+            raise ValueError(f"{_OP}: arguments 'q', 'k', 'v' must have the same {what} size (dim {dim}), "
+                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"{_OP}: arguments 'q' and 'k' must have the same head dim, got "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{_OP}: arguments 'k' and 'v' must have the same sequence length, got "
+                         f"k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"{_OP}: argument 'is_causal' must be a bool, got {type(is_causal).__name__}")
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"{_OP}: argument 'attn_mask' must be a torch.Tensor or None, "
+                        f"got {type(attn_mask).__name__}")
+    if is_causal:
+        raise ValueError(f"{_OP}: arguments 'attn_mask' and 'is_causal' cannot both be set "
+                         f"(as in scaled_dot_product_attention); fold the causal mask into attn_mask")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"{_OP}: argument 'attn_mask' must be bool (True = attend) or floating point "
+                        f"(added to the scores), got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"{_OP}: argument 'attn_mask' must be on {q.device}, got {attn_mask.device}")
+    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    ok = attn_mask.dim() <= 4
+    if ok:
+        try:
+            ok = tuple(torch.broadcast_shapes(tuple(attn_mask.shape), scores)) == scores
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{_OP}: argument 'attn_mask' of shape {tuple(attn_mask.shape)} does not broadcast "
+                         f"to the scores' shape (batch, heads, s_q, s_k) = {scores}")
+
+
+def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                        dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                        training: bool = True, *, seed: Optional[Tensor] = None) -> Tensor:
+    """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p if training else 0, is_causal,
+    scale)`` keeping O(s) per query row for backward (see the module docstring).
+
+    Returns (b, h, s_q, d_v) stored as (b, s_q, h, d_v). Pass ``training=self.training``.
+    ``seed`` (0-d integer tensor, reference path only) fixes the dropout mask; by default one is
+    drawn from torch's RNG.
+    """
+    _check_inputs(q, k, v, attn_mask, is_causal)
+    p = check_probability(dropout_p, "dropout_p", _OP)
+    if not training:
+        p = 0.0
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{_OP}: argument 'scale' must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if seed is not None and (not isinstance(seed, Tensor) or seed.is_floating_point()
+                             or seed.is_complex() or seed.numel() != 1):
+        raise TypeError(f"{_OP}: argument 'seed' must be a one-element integer tensor")
+
+    if torch.is_autocast_enabled(q.device.type) and q.dtype in _AUTOCAST_ELIGIBLE:
+        # As sdpa under autocast: attention runs in (and returns) the autocast dtype.
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+
+    if q.is_cuda and requested_backend() != "reference":
+        fused_mask = attn_mask
+        if fused_mask is not None and fused_mask.dtype != torch.bool and fused_mask.dtype != q.dtype:
+            fused_mask = fused_mask.to(q.dtype)  # the fused kernels add a bias of q's dtype
+        if torch.compiler.is_compiling() or _fused_kernel_accepts(q, k, v, fused_mask, p, is_causal):
+            if seed is not None and p > 0.0:
+                raise ValueError(f"{_OP}: argument 'seed' applies to the reference path only; on CUDA the "
+                                 f"fused sdpa kernels draw dropout from torch's CUDA RNG "
+                                 f"(use use_backend('reference') to fix the mask by seed)")
+            return _sdpa(q, k, v, fused_mask, p, is_causal, scale)
+        mask_kind = "none" if attn_mask is None else f"{attn_mask.dtype} {tuple(attn_mask.shape)}"
+        _log_fallback_once(f"q {q.dtype} head_dim {q.shape[-1]}, v head_dim {v.shape[-1]}, mask {mask_kind}, "
+                           f"dropout {p > 0}, causal {is_causal}")
+
+    if seed is None:
+        seed = draw_seed(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64, device=q.device)
+    else:
+        seed = seed.to(device=q.device, dtype=torch.int64).reshape(())
+    out, _ = _attention_fwd_op(q, k, v, attn_mask, seed, p, is_causal, scale)
+    return out
+
+
+class EfficientAttention(nn.Module):
+    """``efficient_attention`` with the module's dropout probability and ``self.training``."""
+
+    def __init__(self, dropout_p: float = 0.0):
+        super().__init__()
+        self.dropout_p = check_probability(dropout_p, "dropout_p", "EfficientAttention")
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                is_causal: bool = False, scale: Optional[float] = None) -> Tensor:
+        return efficient_attention(q, k, v, attn_mask, self.dropout_p, is_causal, scale, self.training)
+
+    def extra_repr(self) -> str:
+        return f"dropout_p={self.dropout_p}"
+
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "EfficientAttention", "attention_keep_mask", "draw_seed",
+           "efficient_attention"]

@@ -1,0 +1,518 @@
+"""efficient_attention against an fp64 eager reference built in this file.
+
+The reference is softmax(q kᵀ·scale + mask) · keep/(1−p) @ v in fp64 with the very keep-mask the
+op drew (``attention_keep_mask`` regenerates it from the seed), so outputs and all gradients are
+compared element by element, dropout included. On the CPU every backend runs the tiled reference
+path (the op has no Triton kernel); the CUDA tests at the end cover the fused sdpa path.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tempo.memory import ActivationLedger
+from tempo.ops import attention as attn_mod
+from tempo.ops.attention import (
+    BLOCK_K,
+    BLOCK_Q,
+    EfficientAttention,
+    attention_keep_mask,
+    efficient_attention,
+)
+
+# (atol, rtol) against fp64 for values of order 1. Measured worst errors relative to the tensor's
+# max: fp32 ~1.5e-6, fp16 ~4e-4, bf16 ~3.3e-3 (the output is rounded once to the input dtype, and
+# backward's D = rowsum(dO·O) reads that rounded output, as FlashAttention does).
+TOL = {
+    torch.float64: (1e-12, 1e-10),
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (2e-3, 5e-3),
+    torch.bfloat16: (1.5e-2, 3e-2),
+}
+LOW = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _reference(q, k, v, g, mask=None, keep=None, p=0.0, scale=None, is_causal=False):
+    """fp64 eager (out, dq, dk, dv[, dmask]); rows with every key masked give 0, not NaN."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q64 @ k64.transpose(-1, -2) * scale
+    m64 = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, float("-inf"))
+        else:
+            m64 = mask.detach().double().requires_grad_(mask.requires_grad)
+            s = s + m64
+    if is_causal:
+        allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        s = s.masked_fill(~allowed, float("-inf"))
+    empty = (s == float("-inf")).all(dim=-1, keepdim=True)
+    probs = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if keep is not None:
+        probs = probs * keep / (1.0 - p)
+    out = probs @ v64
+    out.backward(g.double())
+    grads = [q64.grad, k64.grad, v64.grad] + ([m64.grad] if m64 is not None and m64.requires_grad else [])
+    return (out.detach(), *grads)
+
+
+def _run(q, k, v, g, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = efficient_attention(q, k, v, **kw)
+    out.backward(g)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _close(actual, expected, dtype, what):
+    atol, rtol = TOL[dtype]
+    assert actual.dtype == dtype, what
+    torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _qkv(b, h, s_q, s_k, d, dtype, d_v=None):
+    q = torch.randn(b, h, s_q, d).to(dtype)
+    k = torch.randn(b, h, s_k, d).to(dtype)
+    v = torch.randn(b, h, s_k, d_v or d).to(dtype)
+    return q, k, v
+
+
+def _compare(q, k, v, dtype, p=0.0, seed=1234, mask=None, scale=None, is_causal=False):
+    g = torch.randn(q.shape[:3] + (v.shape[-1],)).to(dtype)
+    seed_t = torch.tensor(seed)
+    got = _run(q, k, v, g, attn_mask=mask, dropout_p=p, scale=scale, is_causal=is_causal, seed=seed_t)
+    keep = attention_keep_mask(seed_t, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), p) if p else None
+    ref = _reference(q, k, v, g, mask, keep, p, scale, is_causal)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        _close(a, r, dtype, name)
+    return got
+
+
+# ------------------------------------------------------------------------------------------------
+# Values and gradients
+# ------------------------------------------------------------------------------------------------
+SHAPES = [  # (b, h, s_q, s_k, d): s in {1, 7, 123, 300}, several tiles each way, s_q != s_k
+    (1, 2, 1, 1, 32),
+    (2, 3, 7, 7, 64),
+    (1, 2, 123, 300, 80),
+    (1, 2, 300, 123, 128),
+    (2, 1, 300, 7, 64),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_matches_fp64_reference(shape, dtype, p):
+    b, h, s_q, s_k, d = shape
+    _compare(*_qkv(b, h, s_q, s_k, d, dtype), dtype, p=p)
+
+
+def test_fp64_gradcheck_with_dropout_and_mask():
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 5, 6, 4, torch.float64))
+    mask = torch.randn(1, 1, 5, 6, dtype=torch.float64, requires_grad=True)
+    seed = torch.tensor(7)
+
+    def fn(q, k, v, mask):
+        return efficient_attention(q, k, v, attn_mask=mask, dropout_p=0.4, seed=seed)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, mask))
+
+
+def test_value_head_dim_may_differ():
+    q, k, v = _qkv(2, 2, 9, 11, 16, torch.float32, d_v=24)
+    out, *_ = _compare(q, k, v, torch.float32, p=0.2)
+    assert out.shape == (2, 2, 9, 24)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_key_padding_mask(dtype, kind):
+    b, h, s, d = 3, 2, 130, 32  # two key tiles: padding in the second one only for some samples
+    lengths = torch.tensor([130, 100, 5])
+    valid = torch.arange(s)[None, :] < lengths[:, None]
+    if kind == "bool":
+        mask = valid[:, None, None, :]
+    else:  # as BERT builds it: finfo.min of the compute dtype where padded
+        mask = torch.zeros(b, 1, 1, s, dtype=dtype).masked_fill(~valid[:, None, None, :], torch.finfo(dtype).min)
+    q, k, v = _qkv(b, h, s, s, d, dtype)
+    _, _, dk, dv = _compare(q, k, v, dtype, p=0.1, mask=mask)
+    # Padded keys get no gradient at all.
+    assert (dk[~valid[:, None, :, None].expand_as(dk)] == 0).all()
+    assert (dv[~valid[:, None, :, None].expand_as(dv)] == 0).all()
+
+
+@pytest.mark.parametrize("mask_shape", [(3, 2, 9, 140), (1, 2, 9, 140), (9, 140), (140,), (3, 1, 9, 1)])
+def test_general_masks_broadcast(mask_shape):
+    q, k, v = _qkv(3, 2, 9, 140, 16, torch.float32)
+    bool_mask = torch.rand(mask_shape) > 0.3
+    _compare(q, k, v, torch.float32, p=0.2, mask=bool_mask)
+    _compare(q, k, v, torch.float32, p=0.2, mask=torch.randn(mask_shape))
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 9, 140), (1, 1, 1, 140), (2, 3, 9, 140)])
+def test_additive_mask_gradient(mask_shape):
+    q, k, v = _qkv(2, 3, 9, 140, 16, torch.float32)
+    mask = torch.randn(mask_shape, requires_grad=True)
+    g = torch.randn(2, 3, 9, 16)
+    seed = torch.tensor(5)
+    efficient_attention(q, k, v, attn_mask=mask, dropout_p=0.25, seed=seed).backward(g)
+    keep = attention_keep_mask(seed, (2, 3, 9, 140), 0.25)
+    *_, ref_dmask = _reference(q, k, v, g, mask, keep, 0.25)
+    assert mask.grad.shape == mask.shape
+    _close(mask.grad, ref_dmask, torch.float32, "dmask")
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_fully_masked_rows_give_zeros_and_zero_grads(dtype):
+    b, h, s_q, s_k, d = 2, 2, 7, 135, 32
+    q, k, v = _qkv(b, h, s_q, s_k, d, dtype)
+    mask = torch.rand(b, 1, s_q, s_k) > 0.5
+    mask[0, 0, 3] = False  # one query row masked everywhere
+    mask[1] = False  # a whole sample padded (key-padding style: every row masked)
+    out, dq, dk, dv = _compare(q, k, v, dtype, p=0.3, mask=mask)
+    for t in (out, dq, dk, dv):
+        assert not t.isnan().any()
+    assert (out[0, :, 3] == 0).all() and (dq[0, :, 3] == 0).all()
+    assert (out[1] == 0).all() and (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
+    # The same with an additive -inf mask.
+    additive = torch.zeros(b, 1, s_q, s_k, dtype=dtype).masked_fill(~mask, float("-inf"))
+    out2, dq2, _, _ = _compare(q, k, v, dtype, p=0.3, mask=additive)
+    assert (out2[0, :, 3] == 0).all() and (dq2[1] == 0).all() and not out2.isnan().any()
+
+
+def test_finfo_min_row_attends_uniformly_like_sdpa():
+    """finfo.min is a number, not -inf: a row masked only by it attends uniformly, as in sdpa."""
+    q, k, v = _qkv(1, 2, 4, 9, 8, torch.float32)
+    mask = torch.zeros(1, 1, 4, 9)
+    mask[0, 0, 2] = torch.finfo(torch.float32).min
+    out = efficient_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    torch.testing.assert_close(out[0, :, 2], v[0].mean(dim=1))
+
+
+@pytest.mark.parametrize("s_q,s_k", [(7, 7), (300, 300), (123, 300), (300, 123)])
+def test_causal(s_q, s_k):
+    q, k, v = _qkv(1, 2, s_q, s_k, 32, torch.float32)
+    out, *_ = _compare(q, k, v, torch.float32, p=0.2, is_causal=True)
+    no_drop = efficient_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(no_drop, F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_scale():
+    q, k, v = _qkv(2, 2, 130, 70, 64, torch.float32)
+    _compare(q, k, v, torch.float32, p=0.1, scale=0.37)
+    torch.testing.assert_close(efficient_attention(q, k, v, scale=0.37),
+                               F.scaled_dot_product_attention(q, k, v, scale=0.37), atol=2e-5, rtol=1e-4)
+
+
+def test_matches_sdpa_without_dropout():
+    q, k, v = _qkv(2, 3, 140, 140, 64, torch.float32)
+    mask = torch.zeros(2, 1, 1, 140).masked_fill(torch.arange(140) >= 120, torch.finfo(torch.float32).min)
+    torch.testing.assert_close(efficient_attention(q, k, v, attn_mask=mask, dropout_p=0.5, training=False),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=2e-5, rtol=1e-4)
+
+
+def test_non_contiguous_inputs_and_grad_layout():
+    b, s, h, d = 2, 130, 3, 32
+    # As the model builds them: (b, s, h, d) projections viewed as (b, h, s, d); q sliced from a
+    # wider buffer (a fused qkv projection) so it is not dense either.
+    qkv = torch.randn(b, s, 3, h, d)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    got = _compare(q, k, v, torch.float32, p=0.3)
+    dense_k = torch.randn(b, s, h, d).transpose(1, 2).requires_grad_()
+    efficient_attention(q, dense_k, v).sum().backward()
+    assert dense_k.grad.stride() == dense_k.stride()  # gradients come back in the input's layout
+    assert got[1].shape == q.shape
+
+
+# ------------------------------------------------------------------------------------------------
+# Dropout
+# ------------------------------------------------------------------------------------------------
+def test_keep_mask_statistics():
+    p = 0.3
+    shape = (4, 4, 300, 300)  # 9 tiles of (4, 4, <=128, <=128)
+    keep = attention_keep_mask(torch.tensor(11), shape, p)
+    n = keep.numel()
+    rate = keep.float().mean().item()
+    assert abs(rate - (1 - p)) < 6 * math.sqrt(p * (1 - p) / n)
+    other = attention_keep_mask(torch.tensor(12), shape, p)
+    assert (keep != other).float().mean().item() > 0.3  # independent masks differ in ~42% of places
+    assert torch.equal(keep, attention_keep_mask(torch.tensor(11), shape, p))  # a pure function of the seed
+    # No repeated structure across batch, heads, rows or tiles.
+    assert not torch.equal(keep[0, 0], keep[1, 0]) and not torch.equal(keep[0, 0], keep[0, 1])
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+    assert not torch.equal(keep[0, 0, :128, :128], keep[0, 0, :128, 128:256])
+    assert not torch.equal(keep[0, 0, :128, :128], keep[0, 0, 128:256, :128])
+    # Each tile alone keeps at the right rate too (a bad tile seed would show up here).
+    for r in range(0, 300, BLOCK_Q):
+        for c in range(0, 300, BLOCK_K):
+            tile = keep[:, :, r:r + BLOCK_Q, c:c + BLOCK_K]
+            assert abs(tile.float().mean().item() - (1 - p)) < 6 * math.sqrt(p * (1 - p) / tile.numel())
+
+
+def test_forward_applies_exactly_the_regenerated_mask():
+    """q = 0 makes the softmax uniform; v = I then reads the applied mask off the output."""
+    b, h, s = 2, 3, 140
+    p = 0.4
+    q = torch.zeros(b, h, s, 8, dtype=torch.float64)
+    k = torch.randn(b, h, s, 8, dtype=torch.float64)
+    v = torch.eye(s, dtype=torch.float64).expand(b, h, s, s)
+    seed = torch.tensor(99)
+    out = efficient_attention(q, k, v, dropout_p=p, seed=seed)
+    keep = attention_keep_mask(seed, (b, h, s, s), p)
+    torch.testing.assert_close(out, keep.double() / ((1 - p) * s), atol=1e-14, rtol=0)
+
+
+def test_default_seed_follows_torch_rng_and_training_flag():
+    q, k, v = _qkv(2, 2, 20, 20, 16, torch.float32)
+    torch.manual_seed(3)
+    a = efficient_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    b = efficient_attention(q, k, v, dropout_p=0.5)
+    c = efficient_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    no_drop = efficient_attention(q, k, v)
+    assert torch.equal(efficient_attention(q, k, v, dropout_p=0.5, training=False), no_drop)
+    module = EfficientAttention(dropout_p=0.5)
+    assert not torch.equal(module(q, k, v), no_drop)
+    assert torch.equal(module.eval()(q, k, v), no_drop)
+
+
+def test_checkpoint_reproduces_dropout():
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 2, 130, 130, 16, torch.float32))
+    g = torch.randn(2, 2, 130, 16)
+
+    def fn(q, k, v):
+        return efficient_attention(q, k, v, dropout_p=0.3) * 2.0
+
+    torch.manual_seed(21)
+    fn(q, k, v).backward(g)
+    plain = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.manual_seed(21)
+    checkpoint(fn, q, k, v, use_reentrant=False).backward(g)
+    for a, b in zip(plain, (q.grad, k.grad, v.grad)):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory and layout
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_saved_bytes_exact(dtype, p, with_mask):
+    b, h, s, d = 2, 3, 200, 16
+    q, k, v = (t.requires_grad_() for t in _qkv(b, h, s, s, d, dtype))
+    mask = torch.zeros(b, 1, 1, s, dtype=dtype) if with_mask else None
+    with ActivationLedger() as led:
+        out = efficient_attention(q, k, v, attn_mask=mask, dropout_p=p)
+    esize = q.element_size()
+    expected = 4 * b * h * s * d * esize + 4 * b * h * s + 8  # q, k, v, out; fp32 lse; int64 seed
+    if with_mask:
+        expected += mask.numel() * esize
+        assert any(r.shape == tuple(mask.shape) for r in led.records)  # the caller's mask, not a copy
+    assert led.activation_bytes == expected
+    assert len(led.records) == 6 + with_mask
+    assert all(math.prod(r.shape) < s * s for r in led.records)  # nothing of size s×s per (b, h)
+    out.sum().backward()
+
+
+def test_saved_lse_is_fp64_for_fp64_inputs():
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 10, 10, 4, torch.float64))
+    with ActivationLedger() as led:
+        efficient_attention(q, k, v)
+    assert led.activation_bytes == 4 * 1 * 2 * 10 * 4 * 8 + 8 * 1 * 2 * 10 + 8
+
+
+def test_output_layout_merges_heads_as_a_view():
+    b, h, s, d = 2, 4, 9, 16
+    q, k, v = _qkv(b, h, s, s, d, torch.float32)
+    out = efficient_attention(q, k, v, dropout_p=0.1)
+    assert out.shape == (b, h, s, d) and not out.is_contiguous()
+    assert out.transpose(1, 2).is_contiguous()
+    merged = out.transpose(1, 2).reshape(b, s, h * d)
+    assert merged._is_view() and merged.data_ptr() == out.data_ptr()
+
+
+# ------------------------------------------------------------------------------------------------
+# Autocast, torch.library and torch.compile
+# ------------------------------------------------------------------------------------------------
+def test_autocast_bf16_follows_sdpa():
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 2, 20, 20, 16, torch.float32))
+    mask = torch.zeros(2, 1, 1, 20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = efficient_attention(q, k, v, attn_mask=mask)
+        expected_dtype = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).dtype
+    assert out.dtype == expected_dtype == torch.bfloat16
+    ref = _reference(*(t.detach().to(torch.bfloat16) for t in (q, k, v)), torch.ones(2, 2, 20, 16), mask)[0]
+    _close(out.detach(), ref, torch.bfloat16, "out")
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and q.grad.abs().sum() > 0
+
+
+def test_opcheck_custom_ops():
+    q, k, v = _qkv(2, 2, 9, 11, 8, torch.float32)
+    q.requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    seed = torch.tensor(4)
+    mask = torch.randn(2, 1, 1, 11)
+    fwd = torch.ops.tempo.efficient_attention_fwd.default
+    bwd = torch.ops.tempo.efficient_attention_bwd.default
+    torch.library.opcheck(fwd, (q, k, v, None, seed, 0.0, False, 0.3))
+    torch.library.opcheck(fwd, (q, k, v, mask, seed, 0.2, False, 0.3))
+    out, lse = fwd(q.detach(), k.detach(), v.detach(), mask, seed, 0.2, False, 0.3)
+    g = torch.randn_like(out)
+    torch.library.opcheck(bwd, (g, q.detach(), k.detach(), v.detach(), out, lse, mask, seed, 0.2, False, 0.3, True))
+    torch.library.opcheck(bwd, (g, q.detach(), k.detach(), v.detach(), out, lse, None, seed, 0.0, True, 0.3, False))
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = _qkv(2, 2, 10, 12, 8, torch.float32)
+    mask = torch.rand(2, 1, 1, 12) > 0.2
+    seed = torch.tensor(17)
+
+    def fn(q, k, v):
+        return efficient_attention(q, k, v, attn_mask=mask, dropout_p=0.2, seed=seed).transpose(1, 2).reshape(2, 10, 16)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    eager_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = compiled(*leaves)
+    ref = fn(*eager_leaves)
+    torch.testing.assert_close(got, ref)
+    got.sum().backward()
+    ref.sum().backward()
+    for a, b in zip(leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backends and errors
+# ------------------------------------------------------------------------------------------------
+def test_every_backend_runs(backend, device):
+    """No Triton kernel: 'triton' forced means the reference path on the CPU, sdpa on CUDA."""
+    from tempo.ops._backend import use_backend
+
+    q, k, v = (t.to(device) for t in _qkv(1, 2, 9, 9, 16, torch.float32))
+    if device == "cpu":
+        seed = torch.tensor(8)
+        out = efficient_attention(q, k, v, dropout_p=0.2, seed=seed)
+        with use_backend("reference"):
+            assert torch.equal(out, efficient_attention(q, k, v, dropout_p=0.2, seed=seed))
+    else:
+        out = efficient_attention(q, k, v)
+        with use_backend("reference"):
+            torch.testing.assert_close(out, efficient_attention(q, k, v))
+
+
+def test_fallback_logged_once(caplog):
+    attn_mod._logged_fallbacks.discard("test case")
+    with caplog.at_level(logging.WARNING, logger="tempo"):
+        attn_mod._log_fallback_once("test case")
+        attn_mod._log_fallback_once("test case")
+    records = [r for r in caplog.records if r.name == "tempo" and "test case" in r.getMessage()]
+    assert len(records) == 1
+
+
+def _good():
+    return _qkv(2, 3, 5, 6, 8, torch.float32)
+
+
+@pytest.mark.parametrize("case,exc,words", [
+    ("q_3d", ValueError, ["'q'", "4-D"]),
+    ("batch", ValueError, ["batch"]),
+    ("heads", ValueError, ["heads"]),
+    ("head_dim", ValueError, ["'q' and 'k'", "head dim"]),
+    ("kv_len", ValueError, ["'k' and 'v'", "sequence length"]),
+    ("dtype", TypeError, ["same dtype"]),
+    ("int_q", TypeError, ["'q'", "floating-point"]),
+    ("not_tensor", TypeError, ["'v'", "torch.Tensor"]),
+    ("mask_shape", ValueError, ["'attn_mask'", "(2, 1, 1, 7)", "(2, 3, 5, 6)"]),
+    ("mask_5d", ValueError, ["'attn_mask'"]),
+    ("mask_int", TypeError, ["'attn_mask'"]),
+    ("p_one", ValueError, ["'dropout_p'"]),
+    ("p_negative", ValueError, ["'dropout_p'"]),
+    ("p_str", TypeError, ["'dropout_p'"]),
+    ("causal_and_mask", ValueError, ["'attn_mask'", "'is_causal'"]),
+    ("scale_str", TypeError, ["'scale'"]),
+    ("seed_float", TypeError, ["'seed'"]),
+])
+def test_bad_inputs_name_the_argument(case, exc, words):
+    q, k, v = _good()
+    kw = {}
+    if case == "q_3d":
+        q = q[0]
+    elif case == "batch":
+        k, v = k[:1], v[:1]
+    elif case == "heads":
+        q = q[:, :2]
+    elif case == "head_dim":
+        k = k[..., :4]
+    elif case == "kv_len":
+        v = v[:, :, :4]
+    elif case == "dtype":
+        v = v.double()
+    elif case == "int_q":
+        q = q.long()
+    elif case == "not_tensor":
+        v = v.tolist()
+    elif case == "mask_shape":
+        kw["attn_mask"] = torch.zeros(2, 1, 1, 7)
+    elif case == "mask_5d":
+        kw["attn_mask"] = torch.zeros(1, 2, 3, 5, 6)
+    elif case == "mask_int":
+        kw["attn_mask"] = torch.zeros(2, 1, 1, 6, dtype=torch.int64)
+    elif case == "p_one":
+        kw["dropout_p"] = 1.0
+    elif case == "p_negative":
+        kw["dropout_p"] = -0.1
+    elif case == "p_str":
+        kw["dropout_p"] = "0.1"
+    elif case == "causal_and_mask":
+        kw.update(attn_mask=torch.ones(2, 1, 1, 6, dtype=torch.bool), is_causal=True)
+    elif case == "scale_str":
+        kw["scale"] = "0.1"
+    elif case == "seed_float":
+        kw.update(seed=torch.tensor(1.5), dropout_p=0.1)
+    with pytest.raises(exc) as info:
+        efficient_attention(q, k, v, **kw)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: the fused sdpa path (skipped without a GPU)
+# ------------------------------------------------------------------------------------------------
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_cuda_fused_path(dtype, with_mask):
+    b, h, s, d = 2, 4, 200, 64
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(b, h, s, s, d, dtype))
+    mask = None
+    if with_mask:
+        mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda")
+        mask[1, ..., 150:] = False
+    with ActivationLedger() as led:
+        out = efficient_attention(q, k, v, attn_mask=mask)
+    assert all(math.prod(r.shape) < s * s for r in led.records)
+    assert out.transpose(1, 2).is_contiguous()
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref = _reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), None if mask is None else mask.cpu())
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
+        _close(a.cpu(), r, dtype, name)
