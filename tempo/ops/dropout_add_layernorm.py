@@ -1,0 +1,610 @@
+"""Fused dropout -> residual add -> LayerNorm whose backward keeps no mask and no input.
+
+    y = LayerNorm(residual + dropout(x, p))
+
+is how a post-LN Transformer closes each sub-layer. Eager PyTorch keeps, for backward, the
+dropout mask (1 byte per element), the pre-LN sum (LayerNorm's input) and LayerNorm's mean and
+rstd. This op keeps only its output y, which the next layer (a Linear) keeps anyway so the
+storage is shared, one fp32 rstd per row and a 0-d int64 seed (plus the γ/β parameters):
+
+  * d(sum) comes from (y, rstd, γ, β) exactly as InplaceLayerNorm's backward does it, with the
+    same γ-near-zero policy (``tempo.ops.layernorm``: x̂ = (y − β)/γ with γ clamped away from 0,
+    x̂ clamped to ±√(N−1); the InplaceLayerNorm docstring gives the error bounds);
+  * d(residual) = d(sum);  d(x) = d(sum) · keep / (1 − p), the keep mask regenerated from the seed.
+
+Semantics
+  * ``normalized_shape`` are the trailing dims of x, as in ``nn.LayerNorm``; x and residual have
+    the same shape (no broadcasting). Not training, or ``p == 0``: no dropout (exactly
+    LayerNorm(residual + x)).
+  * The mask is a pure function of (seed, number of elements, p, backend): element i of the
+    contiguous x is kept iff u_i >= p, with u_i = ``tl.rand(seed, i)`` (Triton's philox) on the
+    Triton path and the i-th draw of ``torch.rand`` from a ``torch.Generator`` seeded with the
+    seed on the reference path. The paths draw different masks for the same seed;
+    ``dropout_add_layernorm_keep_mask`` regenerates exactly the one a path used. The seed is drawn
+    from torch's RNG by default, so ``torch.manual_seed`` and ``torch.utils.checkpoint``'s RNG
+    restore reproduce the mask. The backward uses the path its forward ran on (recorded then),
+    even outside the forward's ``use_backend`` block.
+  * Rows longer than ``MAX_TRITON_N`` elements do not fit one Triton block: they run on the
+    reference path (logged once), which keeps exactly the same tensors.
+  * Dtypes: the sum and the statistics are computed in fp32 (fp64 when an input is fp64, reference
+    path only). The output dtype is the autocast dtype when autocast is enabled on x's device and
+    both inputs are fp32/fp16/bf16 (so the next autocast Linear keeps this very storage), else
+    ``torch.result_type(x, residual)``. Gradients come back in each input's own dtype.
+  * Inputs are made contiguous at the kernel boundary (copies are not kept); the output is a
+    fresh tensor of x's shape.
+
+Contents, in order: Triton kernels, host launchers, the PyTorch reference path, the
+``tempo::dropout_add_layernorm_fwd`` / ``_bwd`` custom ops, the functional
+``dropout_add_layernorm`` and the ``DropoutAddLayerNorm`` module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from tempo.ops._backend import (
+    TRITON_DTYPES,
+    autocast_dtype_for,
+    check_float_tensor,
+    check_probability,
+    resolve_backend,
+)
+from tempo.ops.layernorm import _safe_inverse_gamma, xhat_bound
+
+try:  # CPU-only installs without triton still import this module (reference path only).
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+OP_NAME = "dropout_add_layernorm"
+logger = logging.getLogger(__name__)  # "tempo.ops.dropout_add_layernorm", under the "tempo" logger
+# One Triton program holds a whole row in registers; longer rows run on the reference path.
+MAX_TRITON_N = 16384
+# dtypes autocast would have cast to its lower-precision type (fp64 is left alone by autocast).
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+_KEEP_MASK_BLOCK = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels. Every tensor is contiguous and viewed as [rows, N]: element (row, col) has the
+# flat index row·N + col, which is also its philox counter, so every kernel draws the same mask.
+# ----------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _keep(seed, offsets, p):
+        return tl.rand(seed, offsets) >= p
+
+    @triton.jit
+    def _dal_fwd_kernel(
+        X, R, Y, W, B, RSTD, SEED, N, eps, p, scale,
+        HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # One program per row; the sum and its statistics in fp32 whatever the input dtypes.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        in_row = cols < N
+        offsets = row * N + cols
+        x = tl.load(X + offsets, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            x = tl.where(_keep(tl.load(SEED), offsets, p), x * scale, 0.0)
+        s = tl.load(R + offsets, mask=in_row, other=0.0).to(tl.float32) + x
+        mean = tl.sum(s, axis=0) / N
+        centered = tl.where(in_row, s - mean, 0.0)
+        var = tl.sum(centered * centered, axis=0) / N
+        rstd = tl.math.rsqrt(var + eps)
+        y = centered * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
+        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=in_row)
+        tl.store(RSTD + row, rstd)
+
+    @triton.jit
+    def _dal_bwd_kernel(
+        DY, Y, W, B, INV_W, RSTD, SEED, DX, DR, DW_PARTIAL, DB_PARTIAL,
+        M, N, rows_per_program, xhat_max, p, scale,
+        HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # Each program walks a contiguous run of rows, writes their d(residual) and d(x), and
+        # accumulates its own partial dγ/dβ in fp32; the host sums the partials (no atomics).
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        in_row = cols < N
+        seed = tl.load(SEED)
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
+            inv_w = tl.load(INV_W + cols, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        first_row = pid.to(tl.int64) * rows_per_program
+        for i in range(0, rows_per_program):
+            row = first_row + i
+            # The last program's run may overhang M: such a row has no live columns (the
+            # interpreter rejects a mask built from `in_row & (row < M)`).
+            live = cols < tl.where(row < M, N, 0)
+            offsets = row * N + cols
+            dy = tl.load(DY + offsets, mask=live, other=0.0).to(tl.float32)
+            y = tl.load(Y + offsets, mask=live, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + tl.minimum(row, M - 1))  # clamped index, not a scalar mask
+            # γ·x̂ = y − β exactly; x̂ itself needs the division by (clamped) γ.
+            scaled_xhat = y
+            if HAS_BIAS:
+                scaled_xhat = tl.where(live, y - b, 0.0)
+            if HAS_WEIGHT:
+                xhat = scaled_xhat * inv_w
+                dy_w = dy * w
+            else:
+                xhat = scaled_xhat
+                dy_w = dy
+            xhat = tl.minimum(tl.maximum(xhat, -xhat_max), xhat_max)
+            mean_dy_w = tl.sum(dy_w, axis=0) / N
+            mean_dy_scaled = tl.sum(dy * scaled_xhat, axis=0) / N
+            dsum = rstd * (dy_w - mean_dy_w - xhat * mean_dy_scaled)
+            tl.store(DR + offsets, dsum.to(DR.dtype.element_ty), mask=live)
+            if HAS_DROPOUT:
+                dsum = tl.where(_keep(seed, offsets, p), dsum * scale, 0.0)
+            tl.store(DX + offsets, dsum.to(DX.dtype.element_ty), mask=live)
+            dw_acc += dy * xhat
+            db_acc += dy
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + pid * N + cols, dw_acc, mask=in_row)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * N + cols, db_acc, mask=in_row)
+
+    @triton.jit
+    def _keep_mask_kernel(OUT, SEED, numel, p, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = _keep(tl.load(SEED), offsets, p)
+        tl.store(OUT + offsets, keep.to(tl.uint8), mask=offsets < numel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host launchers (all tensors contiguous; rows = numel / N)
+# ----------------------------------------------------------------------------------------------
+def _num_warps(block_n: int) -> int:
+    if block_n >= 8192:
+        return 16
+    if block_n >= 2048:
+        return 8
+    return 4
+
+
+def _dropout_scale(p: float) -> float:
+    return 1.0 / (1.0 - p)
+
+
+def _fwd_triton(x: Tensor, residual: Tensor, n: int, weight: Optional[Tensor], bias: Optional[Tensor],
+                seed: Tensor, eps: float, p: float, dropout: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    rows = x.numel() // n
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # x's shape: a fresh tensor, not a view
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    block_n = triton.next_power_of_2(n)
+    dummy = rstd  # stands in for absent weight/bias pointers; never read (constexpr flags)
+    _dal_fwd_kernel[(rows,)](
+        x, residual, y, weight if weight is not None else dummy, bias if bias is not None else dummy,
+        rstd, seed, n, eps, p, _dropout_scale(p),
+        HAS_DROPOUT=dropout, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        num_warps=_num_warps(block_n),
+    )
+    return y, rstd
+
+
+def _backward_programs(rows: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        # A few programs per SM keep every SM busy while the dγ/dβ partials stay small.
+        return max(1, min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(rows, 4))  # the interpreter runs programs one after another
+
+
+def _bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, n: int, weight: Optional[Tensor],
+                bias: Optional[Tensor], seed: Tensor, p: float, dropout: bool, x_dtype: torch.dtype,
+                residual_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    rows = rstd.numel()
+    dx = torch.empty(y.shape, dtype=x_dtype, device=y.device)
+    dr = torch.empty(y.shape, dtype=residual_dtype, device=y.device)
+    block_n = triton.next_power_of_2(n)
+    programs = _backward_programs(rows, y.device)
+    rows_per_program = triton.cdiv(rows, programs)
+    programs = triton.cdiv(rows, rows_per_program)
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=y.device) if weight is not None else None
+    db_partial = torch.empty((programs, n), dtype=torch.float32, device=y.device) if bias is not None else None
+    inv_w = _safe_inverse_gamma(weight.float()) if weight is not None else None
+    dummy = rstd
+    _dal_bwd_kernel[(programs,)](
+        grad_y, y,
+        weight if weight is not None else dummy, bias if bias is not None else dummy,
+        inv_w if inv_w is not None else dummy, rstd, seed, dx, dr,
+        dw_partial if dw_partial is not None else dummy, db_partial if db_partial is not None else dummy,
+        rows, n, rows_per_program, xhat_bound(n), p, _dropout_scale(p),
+        HAS_DROPOUT=dropout, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        num_warps=_num_warps(block_n),
+    )
+    dw = dw_partial.sum(0).view(weight.shape).to(weight.dtype) if weight is not None else _no_param_grad(y)
+    db = db_partial.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else _no_param_grad(y)
+    return dx, dr, dw, db
+
+
+def _triton_keep_mask(seed: Tensor, numel: int, p: float, device: torch.device) -> Tensor:
+    out = torch.empty((numel,), dtype=torch.uint8, device=device)
+    if numel:
+        _keep_mask_kernel[(triton.cdiv(numel, _KEEP_MASK_BLOCK),)](out, seed, numel, p, BLOCK=_KEEP_MASK_BLOCK)
+    return out.view(torch.bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference implementation (any device, any float dtype; keeps the same tensors as the kernels).
+# Written for speed on the CPU, where the BERT trainer runs it in every layer: one fused aten
+# LayerNorm in forward, in-place updates of fresh temporaries in backward.
+# ----------------------------------------------------------------------------------------------
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    # fp32 statistics, except with an fp64 input (reference path only): full precision.
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _no_param_grad(like: Tensor) -> Tensor:
+    # Custom ops cannot return None: an absent weight/bias gets an empty gradient.
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+def _reference_uniforms(seed: Tensor, numel: int, device: torch.device) -> Tensor:
+    # Host sync on seed.item(): acceptable, this is the CPU / fallback path.
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed.item()))
+    return torch.rand((numel,), generator=generator, device=device, dtype=torch.float32)
+
+
+def _reference_keep_mask(seed: Tensor, numel: int, p: float, device: torch.device) -> Tensor:
+    return _reference_uniforms(seed, numel, device) >= p
+
+
+def _reference_dropout_multiplier(seed: Tensor, shape: Sequence[int], p: float, device: torch.device,
+                                  dtype: torch.dtype) -> Tensor:
+    """The same mask as _reference_keep_mask as a float tensor: 1/(1 − p) where kept, 0 where dropped.
+
+    A float factor makes the dropout one fused multiply (addcmul / mul) instead of a select
+    plus a scale: on the CPU, torch.where with a scalar costs about four multiplies.
+    """
+    u = _reference_uniforms(seed, math.prod(shape), device)
+    torch.ge(u, p, out=u)  # 1.0 where kept, in place: no bool temporary
+    return u.to(dtype).mul_(_dropout_scale(p)).view(shape)
+
+
+def _fwd_reference(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
+                   bias: Optional[Tensor], seed: Tensor, eps: float, p: float, dropout: bool,
+                   out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    compute = _compute_dtype(x.dtype, residual.dtype)
+    xc, rc = x.to(compute), residual.to(compute)
+    if dropout:
+        s = torch.addcmul(rc, xc, _reference_dropout_multiplier(seed, x.shape, p, x.device, compute))
+    else:
+        s = rc + xc
+    # aten's fused LayerNorm; its mean is dropped, its rstd is the one the kernels keep.
+    y, _mean, rstd = torch.native_layer_norm(
+        s, normalized_shape,
+        weight.to(compute) if weight is not None else None,
+        bias.to(compute) if bias is not None else None,
+        eps,
+    )
+    return y.to(out_dtype), rstd.reshape(-1)
+
+
+def _bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, n: int, weight: Optional[Tensor],
+                   bias: Optional[Tensor], seed: Tensor, p: float, dropout: bool, x_dtype: torch.dtype,
+                   residual_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    compute = rstd.dtype  # fp32, or fp64 for fp64 inputs
+    g = grad_y.reshape(-1, n).to(compute)
+    # γ·x̂ = y − β exactly. Never modified in place: without β it may be y itself.
+    scaled_xhat = y.reshape(-1, n).to(compute)
+    if bias is not None:
+        scaled_xhat = scaled_xhat - bias.reshape(n).to(compute)
+    mean_g_scaled = (g * scaled_xhat).mean(dim=-1, keepdim=True)
+    bound = xhat_bound(n)
+    if weight is not None:
+        w = weight.reshape(n).to(compute)
+        xhat = (scaled_xhat * _safe_inverse_gamma(w)).clamp_(-bound, bound)
+        mean_g_w = torch.mv(g, w).div_(n).unsqueeze(-1)  # a matrix-vector product: no temporary
+        dsum = torch.addcmul(mean_g_w.neg_(), g, w)  # g·γ − mean(g·γ)
+    else:
+        xhat = scaled_xhat.clamp(-bound, bound)
+        dsum = g - g.mean(dim=-1, keepdim=True)
+    del scaled_xhat
+    # dsum = rstd · (g·γ − mean(g·γ) − x̂ · mean(g·(y − β)))
+    dsum.addcmul_(xhat, mean_g_scaled, value=-1.0).mul_(rstd.unsqueeze(-1))
+    dw = xhat.mul_(g).sum(0).view(weight.shape).to(weight.dtype) if weight is not None else _no_param_grad(y)
+    del xhat
+    db = g.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else _no_param_grad(y)
+    del g
+    dsum = dsum.view(y.shape)
+    dr = dsum.to(residual_dtype)
+    if dropout:
+        dx = (dsum * _reference_dropout_multiplier(seed, y.shape, p, y.device, compute)).to(x_dtype)
+    else:
+        # Outputs of a custom op may not alias each other.
+        dx = dsum.to(x_dtype, copy=dr.dtype == x_dtype)
+    return dx, dr, dw, db
+
+
+def dropout_add_layernorm_keep_mask(seed: Tensor, shape: Sequence[int], p: float, device,
+                                    backend: str) -> Tensor:
+    """The bool keep-mask (True = kept) ``backend`` draws for an x of ``shape`` with ``seed``.
+
+    ``backend`` is the path that ran, "triton" or "reference" (not "auto"); rows longer than
+    ``MAX_TRITON_N`` and empty inputs always run "reference".
+    """
+    shape = tuple(int(s) for s in shape)
+    device = torch.device(device)
+    p = check_probability(p, "p", "dropout_add_layernorm_keep_mask")
+    seed = seed.to(device=device, dtype=torch.int64).reshape(())
+    numel = math.prod(shape)
+    if backend == "reference":
+        keep = _reference_keep_mask(seed, numel, p, device)
+    elif backend == "triton":
+        keep = _triton_keep_mask(seed, numel, p, device)
+    else:
+        raise ValueError(f"dropout_add_layernorm_keep_mask: argument 'backend' must be 'triton' or "
+                         f"'reference', got {backend!r}")
+    return keep.view(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops (torch.compile traces them as single nodes; autograd keeps y, rstd and the seed).
+# ``backend`` is resolved by the caller: the op is a pure function of its arguments, and the
+# backward op gets the very path the forward took.
+# ----------------------------------------------------------------------------------------------
+def _rows(shape: Sequence[int], normalized_shape: Sequence[int]) -> int:
+    return math.prod(shape[: len(shape) - len(normalized_shape)])
+
+
+def _check_op_backend(backend: str, n: int, where: str) -> None:
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"{where}: argument 'backend' must be 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" and n > MAX_TRITON_N:
+        raise ValueError(f"{where}: the Triton kernels handle rows of at most {MAX_TRITON_N} elements, "
+                         f"got {n}; use backend 'reference'")
+
+
+@torch.library.custom_op("tempo::dropout_add_layernorm_fwd", mutates_args=())
+def dropout_add_layernorm_fwd(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
+                              bias: Optional[Tensor], seed: Tensor, eps: float, p: float, training: bool,
+                              out_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+    """x, residual contiguous, same shape -> (y of x's shape in out_dtype, rstd [rows] fp32 (fp64
+    when an input is fp64)). weight/bias have ``normalized_shape``; seed is a 0-d int64 tensor."""
+    n = math.prod(normalized_shape)
+    _check_op_backend(backend, n, "tempo::dropout_add_layernorm_fwd")
+    dropout = training and p > 0.0
+    with torch.autocast(x.device.type, enabled=False):
+        if backend == "triton" and x.numel() > 0:
+            return _fwd_triton(x, residual, n, weight, bias, seed, eps, p, dropout, out_dtype)
+        return _fwd_reference(x, residual, normalized_shape, weight, bias, seed, eps, p, dropout, out_dtype)
+
+
+@dropout_add_layernorm_fwd.register_fake
+def _(x, residual, normalized_shape, weight, bias, seed, eps, p, training, out_dtype, backend):
+    rows = _rows(x.shape, normalized_shape)
+    return (x.new_empty(x.shape, dtype=out_dtype),
+            x.new_empty((rows,), dtype=_compute_dtype(x.dtype, residual.dtype)))
+
+
+@torch.library.custom_op("tempo::dropout_add_layernorm_bwd", mutates_args=())
+def dropout_add_layernorm_bwd(grad_y: Tensor, y: Tensor, rstd: Tensor, normalized_shape: list[int],
+                              weight: Optional[Tensor], bias: Optional[Tensor], seed: Tensor, p: float,
+                              training: bool, x_dtype: torch.dtype, residual_dtype: torch.dtype,
+                              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dx in x_dtype, dresidual in residual_dtype, dγ, dβ in the parameters' dtypes); an
+    absent γ/β gets an empty tensor. ``backend`` must be the one the forward ran on."""
+    n = math.prod(normalized_shape)
+    _check_op_backend(backend, n, "tempo::dropout_add_layernorm_bwd")
+    dropout = training and p > 0.0
+    with torch.autocast(y.device.type, enabled=False):
+        if backend == "triton" and y.numel() > 0:
+            return _bwd_triton(grad_y, y, rstd, n, weight, bias, seed, p, dropout, x_dtype, residual_dtype)
+        return _bwd_reference(grad_y, y, rstd, n, weight, bias, seed, p, dropout, x_dtype, residual_dtype)
+
+
+@dropout_add_layernorm_bwd.register_fake
+def _(grad_y, y, rstd, normalized_shape, weight, bias, seed, p, training, x_dtype, residual_dtype, backend):
+    def param_grad(param):
+        return param.new_empty(param.shape) if param is not None else y.new_empty((0,), dtype=torch.float32)
+
+    return (y.new_empty(y.shape, dtype=x_dtype), y.new_empty(y.shape, dtype=residual_dtype),
+            param_grad(weight), param_grad(bias))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, normalized_shape, weight, bias, seed, _eps, p, training, _out_dtype, backend = inputs
+    y, rstd = output
+    # The output, not the inputs: y is the tensor the next layer keeps anyway. No mask: the seed.
+    ctx.save_for_backward(y, rstd, weight, bias, seed)
+    ctx.mark_non_differentiable(rstd)
+    ctx.normalized_shape, ctx.p, ctx.training, ctx.backend = normalized_shape, p, training, backend
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+
+
+def _backward(ctx, grad_y, _grad_rstd):
+    y, rstd, weight, bias, seed = ctx.saved_tensors
+    dx, dr, dw, db = torch.ops.tempo.dropout_add_layernorm_bwd(
+        grad_y.contiguous(), y, rstd, ctx.normalized_shape, weight, bias, seed, ctx.p, ctx.training,
+        ctx.x_dtype, ctx.residual_dtype, ctx.backend)
+    return (dx, dr, None, dw if weight is not None else None, db if bias is not None else None,
+            None, None, None, None, None, None)
+
+
+dropout_add_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional API and module
+# ----------------------------------------------------------------------------------------------
+_ShapeLike = Union[int, Sequence[int], torch.Size]
+_long_row_fallback_logged = False
+
+
+def _as_shape(normalized_shape: _ShapeLike) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        return (int(normalized_shape),)
+    try:
+        shape = tuple(normalized_shape)
+    except TypeError:
+        shape = None
+    if shape is None or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
+        raise TypeError(f"{OP_NAME}: argument 'normalized_shape' must be an int or a sequence of ints, "
+                        f"got {normalized_shape!r}")
+    return tuple(int(s) for s in shape)
+
+
+def _choose_backend(x: Tensor, residual: Tensor, n: int) -> str:
+    """The path that will run: resolve_backend, then the documented reference-path cases."""
+    global _long_row_fallback_logged
+    # Resolve on an input the kernels cannot take, if any, so a forced 'triton' names its dtype.
+    backend = resolve_backend(residual if residual.dtype not in TRITON_DTYPES else x, OP_NAME)
+    if backend != "triton":
+        return backend
+    if x.numel() == 0:
+        return "reference"  # nothing to compute, no mask to draw
+    if n > MAX_TRITON_N:
+        if not _long_row_fallback_logged:
+            _long_row_fallback_logged = True
+            logger.warning("%s: rows of %d elements exceed the Triton block limit (%d); using the "
+                           "PyTorch reference path for them (same saved tensors, slower)",
+                           OP_NAME, n, MAX_TRITON_N)
+        return "reference"
+    return "triton"
+
+
+def _output_dtype(x: Tensor, residual: Tensor) -> torch.dtype:
+    autocast_dtype = autocast_dtype_for(x)
+    if autocast_dtype is not None and x.dtype in _AUTOCAST_ELIGIBLE and residual.dtype in _AUTOCAST_ELIGIBLE:
+        return autocast_dtype
+    # = torch.result_type(x, residual) for same-shape tensors; promote_types also traces in dynamo.
+    return torch.promote_types(x.dtype, residual.dtype)
+
+
+def draw_seed(device: torch.device | str) -> Tensor:
+    """A 0-d int64 seed from torch's RNG on ``device``, without a host sync."""
+    return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
+
+
+def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeLike,
+                          weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5,
+                          p: float = 0.5, training: bool = True, seed: Optional[Tensor] = None) -> Tensor:
+    """``layer_norm(residual + dropout(x, p, training), normalized_shape, weight, bias, eps)``.
+
+    Keeps for backward only the output, one rstd per row and a seed (see the module docstring
+    for dtypes and the mask). ``p``/``training`` default as in ``F.dropout``. ``seed`` (a
+    one-element integer tensor) fixes the mask; by default one is drawn from torch's RNG.
+    """
+    check_float_tensor(x, "x", OP_NAME)
+    check_float_tensor(residual, "residual", OP_NAME)
+    if residual.shape != x.shape:
+        raise ValueError(f"{OP_NAME}: argument 'residual' of shape {tuple(residual.shape)} must have the "
+                         f"shape of argument 'x', {tuple(x.shape)} (no broadcasting)")
+    if residual.device != x.device:
+        raise ValueError(f"{OP_NAME}: argument 'residual' is on {residual.device}, argument 'x' on {x.device}")
+    shape = _as_shape(normalized_shape)
+    if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(f"{OP_NAME}: argument 'normalized_shape' {shape} must match the trailing "
+                         f"dimensions of 'x', got x of shape {tuple(x.shape)}")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None:
+            check_float_tensor(param, name, OP_NAME)
+            if tuple(param.shape) != shape:
+                raise ValueError(f"{OP_NAME}: argument '{name}' of shape {tuple(param.shape)} must have "
+                                 f"the normalized_shape {shape}")
+            if param.device != x.device:
+                raise ValueError(f"{OP_NAME}: argument '{name}' is on {param.device}, argument 'x' on {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"{OP_NAME}: argument 'eps' must be a non-negative float, got {eps!r}")
+    p = check_probability(p, "p", OP_NAME)
+    if not isinstance(training, bool):
+        raise TypeError(f"{OP_NAME}: argument 'training' must be a bool, got {type(training).__name__}")
+    dropout = training and p > 0.0
+    if seed is None:
+        seed = draw_seed(x.device) if dropout else torch.zeros((), dtype=torch.int64, device=x.device)
+    else:
+        if (not isinstance(seed, Tensor) or seed.is_floating_point() or seed.is_complex()
+                or seed.dtype == torch.bool or seed.numel() != 1):
+            raise TypeError(f"{OP_NAME}: argument 'seed' must be a one-element integer tensor")
+        seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
+
+    n = math.prod(shape)
+    y, _rstd = dropout_add_layernorm_fwd(
+        x.contiguous(), residual.contiguous(), list(shape),
+        # Contiguous parameters (the usual case) pass through without a copy.
+        weight.contiguous() if weight is not None else None,
+        bias.contiguous() if bias is not None else None,
+        seed, float(eps), p, training, _output_dtype(x, residual), _choose_backend(x, residual, n),
+    )
+    return y
+
+
+class DropoutAddLayerNorm(nn.Module):
+    """``LayerNorm(residual + Dropout(p)(x))`` in one op that keeps no mask and no input.
+
+    ``forward(x, residual)``. Same ``weight``/``bias`` parameters and state_dict keys as
+    ``nn.LayerNorm`` (state dicts load both ways with ``nn.LayerNorm`` and ``InplaceLayerNorm``).
+    Dropout is the identity in eval mode or with ``p == 0``. Backward keeps only the output, one
+    fp32 rstd per row and an 8-byte seed; γ near zero is handled as in ``InplaceLayerNorm``.
+    Double backward is not supported.
+    """
+
+    __constants__ = ["normalized_shape", "eps", "elementwise_affine", "p"]
+    normalized_shape: tuple[int, ...]
+    eps: float
+    elementwise_affine: bool
+    p: float
+
+    def __init__(self, normalized_shape: _ShapeLike, p: float, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.normalized_shape = _as_shape(normalized_shape)
+        self.p = check_probability(p, "p", "DropoutAddLayerNorm")
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        return dropout_add_layernorm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps,
+                                     self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"{nn.LayerNorm.extra_repr(self)}, p={self.p}"
+
+
+__all__ = [
+    "DropoutAddLayerNorm",
+    "dropout_add_layernorm",
+    "dropout_add_layernorm_keep_mask",
+    "dropout_add_layernorm_fwd",
+    "dropout_add_layernorm_bwd",
+    "MAX_TRITON_N",
+]
