@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""BERT pretraining with DeepLearningExamples' flags; see tempo/bert/pretrain.py for the loop.
+"""BERT pretraining with DeepLearningExamples' flags; see tempo/tasks/pretrain.py for the loop.
 
     torchrun --nproc_per_node=8 run_pretraining.py --input_dir=... --config_file=configs/bert_large.json \
         --output_dir=results/pretrain --train_batch_size=64 --bf16 --tempo
@@ -7,7 +7,7 @@
 
 import sys
 
-from tempo.bert.pretrain import main
+from tempo.tasks.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""BERT SQuAD fine-tuning/prediction with DeepLearningExamples' flags; the loop is tempo/bert/squad.py.
+"""BERT SQuAD fine-tuning/prediction with DeepLearningExamples' flags; the loop is tempo/tasks/squad.py.
 
     python run_squad.py --init_checkpoint "$(python -c 'from tempo.bert.hf_interop import minilm_dir; print(minilm_dir())')" \
         --do_train --train_file data/qa/train-v1.1.json --do_predict --predict_file data/qa/dev-v1.1.json \
@@ -8,7 +8,7 @@
 
 import sys
 
-from tempo.bert.squad import main
+from tempo.tasks.squad import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -126,7 +126,7 @@ def train_once(args: argparse.Namespace, use_tempo: bool, build_model: Callable[
                dataset: torch.utils.data.Dataset, collator: Any) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments, set_seed
 
-    from tempo.patch import apply_tempo
+    from tempo.integrations.patch import apply_tempo
 
     set_seed(args.seed)
     model = build_model()

@@ -5,6 +5,7 @@
 # BATCH1/BATCH2 (sequences per GPU per step), ACCUM1/ACCUM2, LR1/LR2, STEPS1/STEPS2, TEMPO=--tempo
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export TEMPO_PATCH_FILE="${TEMPO_PATCH_FILE:-$repo/.tempo_patch}"  # the state patch_tempo.sh writes
 num_gpus="${1:-1}"
 precision="${2:-bf16}"
 case "$precision" in

@@ -22,12 +22,13 @@ _LAZY = {
     "InplaceLayerNorm": "tempo.inplace_layernorm",
     "Combined": "tempo.combined",
     "ActivationLedger": "tempo.memory",
+    "TempoChoice": "tempo.choices",
     "use_backend": "tempo.ops._backend",
-    "apply_tempo": "tempo.patch",
-    "revert_tempo": "tempo.patch",
-    "auto_tempo": "tempo.autotempo",
-    "AutoTempoResult": "tempo.autotempo",
-    "TempoChoice": "tempo.autotempo",
+    "apply_tempo": "tempo.integrations.patch",
+    "revert_tempo": "tempo.integrations.patch",
+    "auto_tempo": "tempo.integrations.autotempo",
+    "AutoTempoResult": "tempo.integrations.autotempo",
+    "apply_choice": "tempo.integrations.autotempo",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,5 +1,5 @@
-"""`python -m tempo`: the main job (see tempo/demo.py)."""
+"""`python -m tempo`: the main job (see tempo/tasks/demo.py)."""
 
-from tempo.demo import main
+from tempo.tasks.demo import main
 
 raise SystemExit(main())

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from tempo.autotempo import (AutoTempoResult, DefaultMeasure, TempoChoice, auto_tempo, default_candidates,
-                             parse_bytes, transformer_blocks)
-from tempo.patch import tempo_patched
+from tempo.integrations.autotempo import (AutoTempoResult, apply_choice, DefaultMeasure, TempoChoice, auto_tempo, default_candidates,
+                             transformer_blocks)
+from tempo.utils import parse_bytes
+from tempo.integrations.patch import tempo_patched
 
 GELU_LN = ("gelu", "layernorm")
 
@@ -85,7 +86,7 @@ class FakeMeasure:
 
 def test_fast_applies_tempo_when_throughput_still_rises(caplog):
     fake = FakeMeasure()  # plain: 12 B/sample -> batch 8 fits a budget of 100; tempo: 12 - 4 - 2.5 = 5.5 -> 18
-    with caplog.at_level(logging.INFO, logger="tempo.autotempo"):
+    with caplog.at_level(logging.INFO, logger="tempo.integrations.autotempo"):
         result = auto_tempo(TinyStack, policy="fast", measure=fake, kinds=GELU_LN)
     assert isinstance(result, AutoTempoResult) and result.use_tempo
     assert result.choice == TempoChoice(gelu=True, layernorm=True)
@@ -185,7 +186,7 @@ def test_real_run_on_cpu_with_a_budget(one_thread):
 
     probe = DefaultMeasure(batch_factory, steps=1, warmup=1)
     plain8 = probe.estimate(model_factory, 8)
-    tempo8 = probe.estimate(lambda: TempoChoice.full(kinds).apply(model_factory()), 8)
+    tempo8 = probe.estimate(lambda: apply_choice(TempoChoice.full(kinds), model_factory()), 8)
     assert tempo8.total < plain8.total and tempo8.weights == plain8.weights
     assert tempo8.optimizer_states == plain8.optimizer_states > 0
 

@@ -12,7 +12,7 @@ from tempo.bench.flops import (
 from tempo.bench.hardware import device_label, known_gpu, peak_tflops
 from tempo.bench.timing import percentile, spread
 from tempo.bert.config import BertConfig
-from tempo.bench.train_bench import resolve_our_config
+from tempo.bench.common import resolve_our_config
 
 
 def test_tiny_config_matches_a_hand_count():

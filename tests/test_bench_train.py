@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+from tempo.utils import parse_bytes
+
 from tempo.bench import anatomy as anat
 from tempo.bench.__main__ import main as bench_main
 from tempo.bench.flops import bert_pretraining_flops
@@ -49,7 +51,7 @@ def test_record_keys_and_timing_fields(fp32_result):
 
 def test_flops_and_mfu_arithmetic(fp32_result):
     r = fp32_result
-    from tempo.bench.train_bench import resolve_our_config
+    from tempo.bench.common import resolve_our_config
 
     expected = bert_pretraining_flops(resolve_our_config("bert_tiny"), 32, r["max_predictions"])["total"]
     assert r["flops"]["per_sequence"] == expected
@@ -63,7 +65,7 @@ def test_flops_and_mfu_arithmetic(fp32_result):
 def test_anatomy_sums(fp32_result):
     a = fp32_result["anatomy"]
     from tempo.bert.model import BertForPreTraining
-    from tempo.bench.train_bench import resolve_our_config
+    from tempo.bench.common import resolve_our_config
 
     model = BertForPreTraining(resolve_our_config("bert_tiny"))
     params = {id(p): p for p in model.parameters()}.values()  # the tied decoder once
@@ -83,7 +85,7 @@ def test_anatomy_sums(fp32_result):
 def test_anatomy_helpers():
     t = torch.zeros(10)
     assert anat.unique_tensor_bytes([t, t[2:], t.view(2, 5)]) == 40
-    assert anat.parse_bytes("2GiB") == 2 << 30 and anat.parse_bytes("1.5kb") == 1500 and anat.parse_bytes("77") == 77
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("1.5kb") == 1500 and parse_bytes("77") == 77
     m = anat.MemoryAnatomy(weights=1, gradients=2, optimizer_states=3, activations=4, peak_allocated=15)
     assert m.total_accounted == 10 and m.temporaries == 5 and m.fits(10) and not m.fits(9)
 
@@ -134,7 +136,7 @@ def test_hf_provider_trains_and_counts_all_positions():
     r = run_train_bench(TrainBenchConfig(model="hf:bert-tiny", seq_len=32, batch_size=2, steps=1, warmup=0,
                                          device="cpu", precision="fp32", attention="sdpa"))
     assert r["provider"] == "hf"
-    from tempo.bench.train_bench import resolve_our_config
+    from tempo.bench.common import resolve_our_config
 
     # HF runs the MLM decoder on every position
     assert r["flops"]["per_sequence"] == bert_pretraining_flops(resolve_our_config("bert_tiny"), 32, 32)["total"]

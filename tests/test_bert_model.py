@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tempo.bert.config import BertConfig, ConfigError
-from tempo.bert.model import (BertForPreTraining, BertForQuestionAnswering, BertModel,
-                              TempoOptions, additive_attention_mask)
+from tempo.bert.model import (BertForPreTraining, BertForQuestionAnswering, BertModel, additive_attention_mask)
+from tempo.choices import TempoChoice
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def padded_batch(vocab=101, batch=3, length=12):
     return ids, types, mask
 
 
-def require_tempo_layers(options: TempoOptions) -> None:
+def require_tempo_layers(options: TempoChoice) -> None:
     """Skip when a Tempo layer this option set needs is not importable (yet)."""
     needed = []
     if options.gelu:
@@ -129,15 +129,15 @@ def test_padded_vocab_size(vocab, padded):
 # ---------------------------------------------------------------------------------------------
 def test_invalid_attention_name():
     with pytest.raises(ValueError, match="flash.*eager.*tempo.*sdpa"):
-        BertModel(tiny_config(), TempoOptions(attention="flash"))
+        BertModel(tiny_config(), TempoChoice(attention="flash"))
     with pytest.raises(ValueError, match="nope"):
-        TempoOptions.full(attention="nope")
+        TempoChoice.full(attention="nope")
 
 
 def test_option_presets():
-    assert TempoOptions.original() == TempoOptions()
-    assert TempoOptions.full() == TempoOptions(gelu=True, layernorm=True, attention="tempo")
-    assert TempoOptions.original("sdpa").attention == "sdpa"
+    assert TempoChoice.original() == TempoChoice()
+    assert TempoChoice.full() == TempoChoice(gelu=True, layernorm=True, attention="tempo")
+    assert TempoChoice.original("sdpa").attention == "sdpa"
 
 
 def test_shapes_names_and_init():
@@ -192,13 +192,13 @@ def test_sequence_longer_than_positions_is_a_clear_error():
 # Variants agree
 # ---------------------------------------------------------------------------------------------
 VARIANTS = {
-    "sdpa": TempoOptions.original("sdpa"),
-    "tempo-attention": TempoOptions(attention="tempo"),
-    "tempo-gelu": TempoOptions(gelu=True),
-    "tempo-layernorm": TempoOptions(layernorm=True),
-    "tempo-full": TempoOptions.full(),
-    "tempo-full-sdpa": TempoOptions.full("sdpa"),
-    "tempo-ln-attention": TempoOptions(layernorm=True, attention="tempo"),
+    "sdpa": TempoChoice.original("sdpa"),
+    "tempo-attention": TempoChoice(attention="tempo"),
+    "tempo-gelu": TempoChoice(gelu=True),
+    "tempo-layernorm": TempoChoice(layernorm=True),
+    "tempo-full": TempoChoice.full(),
+    "tempo-full-sdpa": TempoChoice.full(attention="sdpa"),
+    "tempo-ln-attention": TempoChoice(layernorm=True, attention="tempo"),
 }
 
 
@@ -278,7 +278,7 @@ def test_padding_does_not_leak_into_real_tokens():
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa", "tempo"])
 def test_fully_masked_sample_gives_no_nan(attention):
-    options = TempoOptions(attention=attention)
+    options = TempoChoice(attention=attention)
     require_tempo_layers(options)
     model = BertForPreTraining(tiny_config(), options)
     ids, types, mask = padded_batch()
@@ -335,7 +335,7 @@ def test_question_answering_loss_clamps_positions():
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("variant", ["original", "tempo-ln-attention", "tempo-full"])
 def test_checkpoint_activations_is_exact(dropout, variant):
-    options = TempoOptions.original() if variant == "original" else VARIANTS[variant]
+    options = TempoChoice.original() if variant == "original" else VARIANTS[variant]
     require_tempo_layers(options)
     cfg = tiny_config(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     plain = BertForPreTraining(cfg, options)
@@ -366,7 +366,7 @@ def test_checkpoint_activations_constructor_flag():
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("variant", ["original", "tempo-ln-attention", "tempo-full"])
 def test_forward_backward_runs(autocast, variant):
-    options = TempoOptions.original() if variant == "original" else VARIANTS[variant]
+    options = TempoChoice.original() if variant == "original" else VARIANTS[variant]
     require_tempo_layers(options)
     model = BertForPreTraining(tiny_config(), options, checkpoint_activations=True)
     ids, types, mask, positions, labels, nsp = mlm_batch()

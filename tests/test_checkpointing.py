@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tempo.bert.checkpointing import (
+from tempo.train.checkpointing import (
     CheckpointError,
     install_sigterm_handler,
     latest_checkpoint,
@@ -19,7 +19,7 @@ from tempo.bert.checkpointing import (
     save_checkpoint,
     unwrap_model,
 )
-from tempo.bert.optim import Lamb, PolyWarmUpScheduler, bert_param_groups
+from tempo.train.optim import Lamb, PolyWarmUpScheduler, bert_param_groups
 
 
 class TiedLM(nn.Module):

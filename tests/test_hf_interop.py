@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from tempo.bert.config import BertConfig
 from tempo.bert.hf_interop import (CheckpointError, load_dle_checkpoint, load_hf_checkpoint,
                                    load_pretrained, minilm_dir, save_hf_checkpoint, unwrap_model)
-from tempo.bert.model import (BertForPreTraining, BertForQuestionAnswering, BertModel,
-                              TempoOptions)
+from tempo.bert.model import (BertForPreTraining, BertForQuestionAnswering, BertModel)
+from tempo.choices import TempoChoice
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -64,8 +64,8 @@ def hf_minilm(minilm):
     return transformers.BertModel.from_pretrained(str(minilm[0])).eval()
 
 
-@pytest.mark.parametrize("options", [TempoOptions.original(), TempoOptions.original("sdpa"),
-                                     TempoOptions.full()], ids=["eager", "sdpa", "tempo-full"])
+@pytest.mark.parametrize("options", [TempoChoice.original(), TempoChoice.original("sdpa"),
+                                     TempoChoice.full()], ids=["eager", "sdpa", "tempo-full"])
 def test_minilm_matches_transformers(minilm, hf_minilm, options):
     if options.attention == "tempo":
         pytest.importorskip("tempo.combined")

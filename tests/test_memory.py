@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tempo.memory import ActivationLedger, format_table, ledger_table, main, marginal_bytes_per_token, saved_bytes
+from tempo.bench.ledger_table import format_table, ledger_table, main
+from tempo.memory import ActivationLedger, marginal_bytes_per_token, saved_bytes
 
 
 def test_views_of_one_storage_count_once():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from tempo.bert.optim import (
+from tempo.train.optim import (
     Lamb,
     LinearWarmUpScheduler,
     PolyWarmUpScheduler,

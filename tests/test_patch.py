@@ -9,9 +9,9 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from tempo import hf_attention  # noqa: E402
+from tempo.integrations import hf_attention  # noqa: E402
 from tempo.memory import ActivationLedger  # noqa: E402
-from tempo.patch import apply_tempo, revert_tempo, tempo_patched  # noqa: E402
+from tempo.integrations.patch import apply_tempo, revert_tempo, tempo_patched  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -69,7 +69,7 @@ def test_bert_modules_state_dict_and_revert(caplog):
     params_before = list(model.parameters())
     state_before = snapshot(model)
 
-    with caplog.at_level(logging.DEBUG, logger="tempo.patch"):
+    with caplog.at_level(logging.DEBUG, logger="tempo.integrations.patch"):
         assert apply_tempo(model) is model
     # 2 layers x (FFN GELU) + MLM head transform GELU; 2 x 2 + embeddings + MLM head LayerNorms.
     assert tempo_patched(model) == {"InplaceGelu": 3, "InplaceLayerNorm": 6, "attention": 1}
@@ -319,7 +319,7 @@ def test_gpt2_tanh_gelu_left_alone_and_logged(caplog):
     mask[2] = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1])  # left padding as well
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask).logits
-        with caplog.at_level(logging.INFO, logger="tempo.patch"):
+        with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
             apply_tempo(model)
         patched = model(input_ids=ids, attention_mask=mask).logits
     assert tempo_patched(model) == {"InplaceLayerNorm": 5, "attention": 1}
@@ -369,7 +369,7 @@ def test_plain_module_tree(caplog):
     x = torch.randn(5, 8)
     reference = model(x)
     modules = dict(model.named_modules(remove_duplicate=False))
-    with caplog.at_level(logging.INFO, logger="tempo.patch"):
+    with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
         apply_tempo(model)  # attention=True on a non-HF model: nothing to switch, no error
     assert model[1] is model[4][1]  # the shared GELU got one shared replacement
     assert type(model[3]) is nn.GELU

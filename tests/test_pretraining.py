@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tempo.bert.dllog import read_dllog
+from tempo.train.dllog import read_dllog
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ, PRED = 32, 5

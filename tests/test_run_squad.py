@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tempo.bert.data.qa_generator import write_qa_set
-from tempo.bert.dllog import read_dllog
-from tempo.bert.squad import main
+from tempo.train.dllog import read_dllog
+from tempo.tasks.squad import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def test_scripts_parse(script):
 
 
 def test_benchmark_summary_table(tmp_path):
-    from tempo.bert.squad_benchmark import summarize
+    from tempo.bench.squad_benchmark import summarize
 
     fake = [("original", "tf32", 24, 100.0), ("tempo", "tf32", 36, 110.0),
             ("original", "bf16", 48, 300.0), ("tempo", "bf16", 72, None)]

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tempo.bert.squad_metrics import (
+from tempo.tasks.squad_metrics import (
     WindowLogits,
     evaluate_v1,
     evaluate_v2,

@@ -2,4 +2,5 @@
 # Prints "Tempo" or "Original": the layers run_pretraining.py and run_squad.py use by default.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-cd "$repo" && exec "${PYTHON:-python3}" -m tempo.bert.tempo_switch check
+export TEMPO_PATCH_FILE="${TEMPO_PATCH_FILE:-$repo/.tempo_patch}"  # where the trainers look, wherever they run from
+cd "$repo" && exec "${PYTHON:-python3}" -m tempo.train.flags check

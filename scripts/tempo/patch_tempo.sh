@@ -3,4 +3,5 @@
 # Nothing is copied over source files: a state file at the repo root records the choice.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-cd "$repo" && exec "${PYTHON:-python3}" -m tempo.bert.tempo_switch patch
+export TEMPO_PATCH_FILE="${TEMPO_PATCH_FILE:-$repo/.tempo_patch}"  # where the trainers look, wherever they run from
+cd "$repo" && exec "${PYTHON:-python3}" -m tempo.train.flags patch

@@ -4,7 +4,7 @@
 # configs/bert_large.json), TRAIN_FILE (default: a generated QA set; shapes are padded to
 # MAX_SEQ_LENGTH, so memory and speed match real SQuAD), VOCAB_FILE, INIT_CHECKPOINT,
 # MAX_SEQ_LENGTH (384), STEPS (50, throughput run), PROBE_STEPS (3). Extra arguments go to
-# python -m tempo.bert.squad_benchmark. Results: results/squad_benchmark/$GPU_NAME/<timestamp>/.
+# python -m tempo.bench.squad_benchmark. Results: results/squad_benchmark/$GPU_NAME/<timestamp>/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -20,4 +20,4 @@ bench_args=(--gpu "$GPU_NAME" --precisions "$PRECISIONS"
 [ -n "${VOCAB_FILE:-}" ] && bench_args+=(--vocab_file "$VOCAB_FILE")
 [ -n "${INIT_CHECKPOINT:-}" ] && bench_args+=(--init_checkpoint "$INIT_CHECKPOINT")
 
-python -m tempo.bert.squad_benchmark "${bench_args[@]}" "$@"
+python -m tempo.bench.squad_benchmark "${bench_args[@]}" "$@"

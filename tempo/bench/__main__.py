@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from tempo.bench.train_bench import OOM_EXIT, BenchError, SimulatedOOM
+    from tempo.bench.common import OOM_EXIT, BenchError, SimulatedOOM
 
     args = build_parser().parse_args(argv)
     where = f"{PROG} {args.subcommand}"

@@ -49,7 +49,10 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def gradient_bytes(model: nn.Module) -> int:
-    return unique_tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    """Bytes of the gradients a backward pass gives every trainable parameter (one per parameter,
+    in its dtype): exact whether or not the gradients exist right now (zero_grad frees them)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -92,23 +95,3 @@ class MemoryAnatomy:
         d["total_accounted"] = self.total_accounted
         d["temporaries"] = self.temporaries
         return d
-
-
-def parse_bytes(text: str) -> int:
-    """'3GiB', '512MiB', '1.5GB', '123' -> bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
-    s = text.strip().lower().replace(" ", "")
-    for unit in sorted(units, key=len, reverse=True):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * units[unit])
-    return int(float(s))
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"

@@ -30,10 +30,12 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from tempo.choices import PRECISIONS
+from tempo.utils import git_commit
 
 # (name substrings that must all occur, lower case) -> peaks; first match wins, so the more
 # specific variants come first.
@@ -50,7 +52,6 @@ _PEAKS: list[tuple[tuple[str, ...], str, dict[str, float]]] = [
     (("2080 ti",), "RTX 2080 Ti", {"fp16": 53.8, "tf32": 13.4, "fp32": 13.4}),
 ]
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
 
 def device_name(device: torch.device | str) -> str:
@@ -112,18 +113,6 @@ def _nvidia_driver() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-
-
-def git_commit() -> dict[str, Any]:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit or None, "dirty": dirty}
 
 
 def environment(device: torch.device | str) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def hf_config(spec: str, attention: str = "eager") -> Any:
             raise ProviderError(f"--model {spec}: no config.json in {path}")
         config = transformers.BertConfig.from_pretrained(str(path), local_files_only=True)
     else:
-        from tempo.bench.train_bench import resolve_our_config
+        from tempo.bench.common import resolve_our_config
 
         ours = resolve_our_config(name.replace("-", "_"))
         config = transformers.BertConfig(

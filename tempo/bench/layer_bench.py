@@ -21,12 +21,13 @@ from typing import Any, Callable
 
 import torch
 
+from tempo.choices import TempoChoice
 from tempo.bench.timing import spread, time_fn
 
 SHAPES = {"substation": [(8, 512), (96, 128)], "tiny": [(2, 32)]}
 VARIANTS = ("original", "tempo", "sdpa", "tempo-sdpa", "compiled", "hf-eager", "hf-sdpa")
 MODES = ("fwd", "bwd", "fwd+bwd")
-# variant -> (ledger variant name in tempo.memory, options)
+# variant -> (ledger variant name in tempo.bench.ledger_table, options)
 _LEDGER_NAME = {"original": "original", "tempo": "tempo", "sdpa": "original+sdpa", "tempo-sdpa": "tempo+sdpa",
                 "hf-eager": "hf-eager", "hf-sdpa": "hf-sdpa"}
 
@@ -41,7 +42,7 @@ def _parse_shape(text: str) -> tuple[int, int]:
 
 def build_layer(variant: str, config: Any, device: str) -> tuple[Callable[..., torch.Tensor], bool]:
     """(callable(hidden, mask) -> output, whether its input comes in the autocast dtype)."""
-    from tempo.bert.model import BertLayer, TempoOptions
+    from tempo.bert.model import BertLayer
 
     if variant.startswith("hf-"):
         try:
@@ -60,11 +61,11 @@ def build_layer(variant: str, config: Any, device: str) -> tuple[Callable[..., t
 
         return hf_call, False
     options = {
-        "original": TempoOptions.original("eager"),
-        "compiled": TempoOptions.original("eager"),
-        "tempo": TempoOptions.full("tempo"),
-        "sdpa": TempoOptions.original("sdpa"),
-        "tempo-sdpa": TempoOptions.full("sdpa"),
+        "original": TempoChoice.original("eager"),
+        "compiled": TempoChoice.original("eager"),
+        "tempo": TempoChoice.full(attention="tempo"),
+        "sdpa": TempoChoice.original("sdpa"),
+        "tempo-sdpa": TempoChoice.full(attention="sdpa"),
     }[variant]
     layer = BertLayer(config, options).to(device).train()
     if variant == "compiled":
@@ -109,7 +110,7 @@ def bench_variant(variant: str, config: Any, batch: int, seq: int, device: str, 
     ledger_name = _LEDGER_NAME.get(variant)
     result["ledger_bytes"] = None
     if ledger_name is not None:
-        from tempo.memory import bert_layer_ledger
+        from tempo.bench.ledger_table import bert_layer_ledger
 
         result["ledger_bytes"] = bert_layer_ledger(ledger_name, seq, batch, dtype, device,
                                                    config_name=config_name).activation_bytes
@@ -132,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from tempo.bench.hardware import environment
     from tempo.bench.results import write_json
-    from tempo.bench.train_bench import BenchError, resolve_our_config
+    from tempo.bench.common import BenchError, resolve_our_config
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shapes = args.shape or SHAPES[args.shapes or "substation"]

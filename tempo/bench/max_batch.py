@@ -23,9 +23,10 @@ import argparse
 import shlex
 import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable
+
+from tempo.train.max_batch import ProbeError, SearchError, search_max_batch
 
 # Lower-cased substrings that identify "did not fit": PyTorch's CUDA/CPU OOM messages
 # ("CUDA out of memory", "OutOfMemoryError", our simulated one) and cuBLAS failing to allocate
@@ -33,69 +34,6 @@ from typing import Callable
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "cublas_status_alloc_failed")
 
 
-class ProbeError(Exception):
-    """A probe failed for a reason other than memory: the search cannot go on."""
-
-    def __init__(self, batch: int, message: str):
-        super().__init__(f"batch {batch}: {message}")
-        self.batch = batch
-        self.message = message
-
-
-@dataclass
-class Probe:
-    batch: int
-    fits: bool
-    seconds: float
-
-
-class SearchError(Exception):
-    def __init__(self, cause: ProbeError, probes: list[Probe]):
-        super().__init__(str(cause))
-        self.cause = cause
-        self.probes = probes
-
-
-def search_max_batch(probe: Callable[[int], bool], start: int = 1, max_batch: int | None = None) -> tuple[int, list[Probe]]:
-    """Largest b in [1, max_batch] with probe(b) True, assuming "fits" is monotone in b.
-
-    Returns (answer, probes in order); answer 0 means not even batch 1 fits. A ProbeError from
-    ``probe`` is re-raised as SearchError carrying the probes made so far.
-    """
-    if start < 1:
-        raise ValueError("start must be >= 1")
-    if max_batch is not None and max_batch < 1:
-        raise ValueError("max_batch must be >= 1")
-    probes: list[Probe] = []
-
-    def run(b: int) -> bool:
-        t0 = time.perf_counter()
-        try:
-            fits = bool(probe(b))
-        except ProbeError as exc:
-            raise SearchError(exc, probes) from exc
-        probes.append(Probe(b, fits, time.perf_counter() - t0))
-        return fits
-
-    fitted, failed = 0, None  # largest known fit, smallest known failure
-    b = min(start, max_batch) if max_batch is not None else start
-    while True:
-        if run(b):
-            fitted = b
-            if max_batch is not None and b >= max_batch:
-                break
-            b = b * 2 if max_batch is None else min(b * 2, max_batch)
-        else:
-            failed = b
-            break
-    if failed is not None:
-        while failed - fitted > 1:
-            mid = (fitted + failed) // 2
-            if run(mid):
-                fitted = mid
-            else:
-                failed = mid
-    return fitted, probes
 
 
 def is_oom_output(text: str) -> bool:

@@ -147,7 +147,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from tempo.bench.hardware import environment, measure_copy_bandwidth
     from tempo.bench.results import write_json
-    from tempo.bench.train_bench import BenchError
+    from tempo.bench.common import BenchError
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

@@ -234,7 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tempo.bench.train_bench import BenchError
+    from tempo.bench.common import BenchError
 
     root = Path(args.results_dir)
     if not root.is_dir():

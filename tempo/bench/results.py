@@ -17,6 +17,8 @@ from typing import Any, Iterable
 
 from tempo.bench.hardware import device_label
 
+from tempo.utils import atomic_write_text
+
 
 def new_results_dir(root: str | Path, device: Any) -> Path:
     """results/<label>/<YYYYmmdd-HHMMSS>/ (a -N suffix when two runs start in the same second)."""
@@ -43,12 +45,7 @@ def _clean(value: Any) -> Any:
 
 
 def write_json(path: str | Path, record: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(record), indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic_write_text(path, json.dumps(_clean(record), indent=2, sort_keys=False) + "\n")
 
 
 def read_json(path: str | Path) -> Any:

@@ -14,8 +14,8 @@ flags you give. Technique matrix (``--techniques all`` or a comma list of the na
   compile        + torch.compile on top of tempo-sdpa
 
 accum and ckpt are alternatives to compare against, not stacked into the Tempo rows (they
-would hide what Tempo alone gives). Tempo rows use the Tempo layers this checkout has
-(``available_tempo_kinds``); the row records which.
+would hide what Tempo alone gives). Tempo rows use every Tempo layer kind (tempo.choices); the row
+records which.
 
 Each row runs in a fresh subprocess (``--no-isolate`` runs them in this process: faster, but an
 OOM then ends the sweep): an OOM row is recorded with status "oom" and the sweep goes on.
@@ -32,13 +32,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tempo.choices import LAYER_KINDS
+from tempo.bench.common import OOM_EXIT, BenchError, SimulatedOOM
 from tempo.bench.train_bench import (
-    OOM_EXIT,
-    BenchError,
-    SimulatedOOM,
     TrainBenchConfig,
     add_train_args,
-    available_tempo_kinds,
     config_from_args,
     config_to_argv,
     run_train_bench,
@@ -64,7 +62,7 @@ def doubling(start: int, stop: int) -> list[int]:
 
 
 def technique_configs(base: TrainBenchConfig, names: tuple[str, ...]) -> list[tuple[str, TrainBenchConfig]]:
-    tempo_kinds = available_tempo_kinds()
+    tempo_kinds = LAYER_KINDS
     all_kinds = ",".join(tempo_kinds)
     no_attention = ",".join(k for k in tempo_kinds if k != "attention")
     plain = dict(tempo_layers="", attention="eager", grad_ckpt=False, grad_accum=1, compile=False)

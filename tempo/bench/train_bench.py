@@ -20,33 +20,25 @@ whose weights + gradients + optimizer states + ledger activations exceed the bud
 from __future__ import annotations
 
 import argparse
-import contextlib
-import time
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from tempo.choices import ATTENTIONS, LAYER_KINDS, ChoiceError, TempoChoice, parse_kinds
 from tempo.bench import anatomy as anat
 from tempo.bench.flops import FORMULAS, bert_pretraining_flops, default_max_predictions, flops_per_sequence, mfu
-from tempo.bench.hardware import PRECISIONS, device_name, environment, peak_tflops
+from tempo.bench.hardware import device_name, environment, peak_tflops
+from tempo.choices import PRECISIONS
+from tempo.bench.common import BenchError, SimulatedOOM, resolve_our_config
 from tempo.bench.timing import spread
+from tempo.train.flags import add_training_flags
+from tempo.train.runtime import autocast_context, configure_matmul_precision, peak_memory_bytes, wrap_ddp
+from tempo.train.step import StepClock, TrainStep
+from tempo.utils import format_bytes, parse_bytes
 
 OPTIMIZERS = ("adamw", "adamw_fused", "lamb", "adafactor", "adamw8bit")
-ATTENTIONS = ("eager", "tempo", "sdpa")
-TEMPO_LAYER_KINDS = ("gelu", "layernorm", "attention")
-OOM_EXIT = 3
-
-
-class BenchError(Exception):
-    """A configuration this machine or checkout cannot run: reported in one line, exit 1."""
-
-
-class SimulatedOOM(Exception):
-    """--memory-budget exceeded (the CPU stand-in for CUDA's OutOfMemoryError)."""
-
 
 @dataclass
 class TrainBenchConfig:
@@ -70,6 +62,7 @@ class TrainBenchConfig:
     flops_formula: str = "gemm"
     peak_tflops: float | None = None  # override the table (e.g. an unknown GPU)
     hf_head: str = "pretraining"
+    max_grad_norm: float = 1.0       # the trainers' clipping policy (tempo/train/step.py)
 
     @property
     def predictions(self) -> int:
@@ -77,13 +70,16 @@ class TrainBenchConfig:
 
     @property
     def tempo_kinds(self) -> tuple[str, ...]:
-        return tuple(k.strip() for k in self.tempo_layers.split(",") if k.strip())
+        return parse_kinds(self.tempo_layers, flag="--tempo-layers")
+
+    @property
+    def choice(self) -> TempoChoice:
+        """The benchmark's Tempo choice: the kinds listed in tempo_layers are on (--tempo: all)."""
+        return TempoChoice.from_flags(bool(self.tempo_kinds), self.tempo_kinds, self.attention)
 
     @property
     def attention_impl(self) -> str:
-        if self.attention is not None:
-            return self.attention
-        return "tempo" if "attention" in self.tempo_kinds else "eager"
+        return self.choice.attention
 
     def validate(self) -> None:
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
@@ -95,11 +91,10 @@ class TrainBenchConfig:
             raise BenchError(f"--precision must be one of {PRECISIONS}")
         if self.optimizer not in OPTIMIZERS:
             raise BenchError(f"--optimizer must be one of {OPTIMIZERS}")
-        unknown = set(self.tempo_kinds) - set(TEMPO_LAYER_KINDS)
-        if unknown:
-            raise BenchError(f"--tempo-layers: unknown kind(s) {sorted(unknown)}; choose from {TEMPO_LAYER_KINDS}")
-        if self.attention_impl not in ATTENTIONS:
-            raise BenchError(f"--attention must be one of {ATTENTIONS}")
+        try:
+            self.choice
+        except ChoiceError as exc:
+            raise BenchError(str(exc)) from None
         if not 0 < self.predictions <= self.seq_len:
             raise BenchError("--max-predictions must be in [1, seq-len]")
         if self.flops_formula not in FORMULAS:
@@ -122,25 +117,27 @@ def add_train_args(p: argparse.ArgumentParser, with_batch_size: bool = True) -> 
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
-    p.add_argument("--tempo", action="store_true", help="all Tempo layers (= --tempo-layers gelu,layernorm,attention)")
-    p.add_argument("--tempo-layers", default="", help="comma list of Tempo layer kinds: gelu,layernorm,attention")
+    p.add_argument("--tempo", action="store_true", help=f"all Tempo layers (= --tempo-layers {','.join(LAYER_KINDS)})")
+    p.add_argument("--tempo-layers", "--tempo_layers", dest="tempo_layers", default="",
+                   help=f"comma list of Tempo layer kinds to turn on: {','.join(LAYER_KINDS)}")
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="attention core (default: tempo when Tempo attention is on, else eager)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--memory-budget", type=anat.parse_bytes, default=None,
+    p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="simulate OOM above this many bytes of weights+grads+states+activations (e.g. 2GiB)")
     p.add_argument("--flops-formula", choices=FORMULAS, default=d.flops_formula)
     p.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU when the GPU is not in the table")
     p.add_argument("--hf-head", choices=("pretraining", "mlm"), default=d.hf_head)
+    add_training_flags(p, dashes=True)
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainBenchConfig:
     names = {f.name for f in fields(TrainBenchConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     if getattr(args, "tempo", False):
-        values["tempo_layers"] = ",".join(TEMPO_LAYER_KINDS)
+        values["tempo_layers"] = ",".join(LAYER_KINDS)
     values.update(overrides)
     return TrainBenchConfig(**values)
 
@@ -163,22 +160,6 @@ def config_to_argv(cfg: TrainBenchConfig) -> list[str]:
 
 
 # -- building blocks -----------------------------------------------------------------------------
-def configs_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "configs"
-
-
-def resolve_our_config(name: str):
-    from tempo.bert.config import BertConfig
-
-    path = Path(name)
-    if not path.suffix:
-        path = configs_dir() / f"{name}.json"
-    if not path.is_file():
-        choices = sorted(p.stem for p in configs_dir().glob("bert_*.json"))
-        raise BenchError(f"--model {name!r}: no such config file (ours: {', '.join(choices)}; or hf:...)")
-    return BertConfig.from_json_file(path)
-
-
 def synthetic_batches(vocab_size: int, batch: int, seq_len: int, predictions: int, device: torch.device,
                       count: int = 2, seed: int = 0, hf_labels: bool = False) -> list[dict[str, torch.Tensor]]:
     """``count`` random pretraining batches in DLE's layout, already on ``device``.
@@ -231,11 +212,11 @@ def build_model(cfg: TrainBenchConfig) -> BuiltModel:
         return BuiltModel(model, config, lambda m, b: hf_provider.hf_loss(m, b, head), "hf",
                           mlm_positions=cfg.seq_len, nsp=head == "pretraining")
 
-    from tempo.bert.model import BertForPreTraining, TempoOptions
+    from tempo.bert.model import BertForPreTraining
 
     config = resolve_our_config(cfg.model)
     kinds = cfg.tempo_kinds
-    options = TempoOptions(gelu="gelu" in kinds, layernorm="layernorm" in kinds, attention=cfg.attention_impl)
+    options = cfg.choice
     try:
         model = BertForPreTraining(config, options, checkpoint_activations=cfg.grad_ckpt)
     except ImportError as exc:  # a Tempo layer not in this checkout yet
@@ -250,7 +231,7 @@ def build_model(cfg: TrainBenchConfig) -> BuiltModel:
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    from tempo.bert.optim import bert_param_groups, make_optimizer
+    from tempo.train.optim import bert_param_groups, make_optimizer
 
     groups = bert_param_groups(model, weight_decay=0.01)
     if name in ("adamw", "adamw_fused", "lamb"):
@@ -268,19 +249,11 @@ def build_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optim
     raise BenchError(f"unknown optimizer {name!r}")
 
 
-def _autocast(precision: str, device: torch.device):
-    if precision in ("bf16", "fp16"):
-        if precision == "fp16" and device.type != "cuda":
-            raise BenchError("--precision fp16 needs a CUDA GPU; use bf16 on the CPU")
-        return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-    return contextlib.nullcontext()
-
-
 def _ledger_bytes(built: BuiltModel, batch: dict[str, torch.Tensor], precision: str, device: torch.device) -> int:
     """Bytes autograd keeps for one forward of ``batch`` (the graph is dropped unused)."""
     from tempo.memory import ActivationLedger
 
-    with ActivationLedger(built.model) as ledger, _autocast(precision, device):
+    with ActivationLedger(built.model) as ledger, autocast_context(precision, device):
         built.loss_fn(built.model, batch)
     return ledger.activation_bytes
 
@@ -290,27 +263,12 @@ def _slice_batch(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tens
 
 
 # -- the run -------------------------------------------------------------------------------------
-def available_tempo_kinds() -> tuple[str, ...]:
-    """Tempo layer kinds this checkout can build (a colleague's layer may not be merged yet)."""
-    import importlib
-
-    modules = {"gelu": "tempo.inplace_gelu", "layernorm": "tempo.inplace_layernorm", "attention": "tempo.combined"}
-    kinds = []
-    for kind, module in modules.items():
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            continue
-        kinds.append(kind)
-    return tuple(kinds)
-
-
 def run_train_bench(cfg: TrainBenchConfig, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Run the benchmark in this process; returns the result record (see module docstring).
 
     ``on_step(i)`` is called after every step (the profiler's step hook).
     """
-    from tempo.bert.runtime import setup_runtime, teardown_runtime
+    from tempo.train.runtime import setup_runtime, teardown_runtime
 
     cfg.validate()
     if cfg.device not in (None, "cpu", "cuda"):
@@ -326,13 +284,11 @@ def run_train_bench(cfg: TrainBenchConfig, on_step: Callable[[int], None] | None
 
 def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> dict[str, Any]:
     device = rt.device
-    torch.backends.cuda.matmul.allow_tf32 = cfg.precision == "tf32"
-    torch.backends.cudnn.allow_tf32 = cfg.precision == "tf32"
+    configure_matmul_precision(cfg.precision)
     torch.manual_seed(cfg.seed)
     built = build_model(cfg)
     model = built.model.to(device).train()
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr)
-    scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
     batches = synthetic_batches(built.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.predictions, device,
                                 count=2, seed=cfg.seed + rt.rank, hf_labels=built.provider == "hf")
 
@@ -344,37 +300,24 @@ def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> di
         per_sample = (activations - one) / (cfg.batch_size - 1)
         fixed = int(round(activations - per_sample * cfg.batch_size))
 
-    train_model: nn.Module = model
-    if rt.distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        train_model = DDP(model, device_ids=[rt.local_rank] if device.type == "cuda" else None)
+    train_model: nn.Module = wrap_ddp(model, rt)
     if cfg.compile:
         train_model = torch.compile(train_model)
+    # The trainers' own step: same autocast, scaler, clipping and skip rules as run_pretraining.py.
+    train_step = TrainStep(model, optimizer, built.loss_fn, cfg.precision, device, max_grad_norm=cfg.max_grad_norm,
+                           train_model=train_model, distributed=rt.distributed, measure_activations=False)
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     weights = anat.weight_bytes(model)
     grads = states = 0
-    step_times: list[float] = []
+    clock = StepClock(device, excluded=cfg.warmup, per_step=True)
     loss_value = float("nan")
     for step in range(cfg.warmup + cfg.steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        for micro in range(cfg.grad_accum):
-            batch = batches[(step * cfg.grad_accum + micro) % len(batches)]
-            sync_ctx = (train_model.no_sync() if rt.distributed and micro < cfg.grad_accum - 1
-                        and hasattr(train_model, "no_sync") else contextlib.nullcontext())
-            with sync_ctx:
-                with _autocast(cfg.precision, device):
-                    loss = built.loss_fn(train_model, batch) / cfg.grad_accum
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        clock.begin_step()
+        micro = [batches[(step * cfg.grad_accum + i) % len(batches)] for i in range(cfg.grad_accum)]
+        out = train_step(micro)
         if step == 0:
             grads = anat.gradient_bytes(model)
             states = anat.optimizer_state_bytes(optimizer)
@@ -382,15 +325,15 @@ def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> di
                 needed = weights + grads + states + activations
                 if needed > cfg.memory_budget:
                     raise SimulatedOOM(f"out of memory (simulated): batch {cfg.batch_size} needs "
-                                       f"{anat.format_bytes(needed)} of weights+grads+states+activations, "
-                                       f"budget {anat.format_bytes(cfg.memory_budget)}")
-        optimizer.zero_grad(set_to_none=True)
+                                       f"{format_bytes(needed)} of weights+grads+states+activations, "
+                                       f"budget {format_bytes(cfg.memory_budget)}")
         if step == cfg.warmup + cfg.steps - 1:
-            loss_value = loss.item() * cfg.grad_accum
-        _sync(device)
-        step_times.append(time.perf_counter() - t0)
+            loss_value = out.loss.item()
+        clock.end_step(out.samples * rt.world_size)
         if on_step is not None:
             on_step(step)
+    clock.stop()
+    step_times = clock.step_times
 
     timed = step_times[cfg.warmup:]
     samples_per_step = cfg.batch_size * cfg.grad_accum * rt.world_size
@@ -414,8 +357,6 @@ def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> di
         memory = {"peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
                   "num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0)}
     else:
-        from tempo.bert.runtime import peak_memory_bytes
-
         memory = peak_memory_bytes(device)
     anatomy = anat.MemoryAnatomy(weights=weights, gradients=grads, optimizer_states=states, activations=activations,
                                  activations_fixed=fixed, activations_per_sample=per_sample,
@@ -448,11 +389,6 @@ def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> di
     }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def format_summary(r: dict[str, Any]) -> str:
     c = r["config"]
     a = r["anatomy"]
@@ -466,14 +402,14 @@ def format_summary(r: dict[str, Any]) -> str:
         f"  {r['samples_per_s']:.2f} samples/s | step p20/p50/p80 {t['p20']:.1f}/{t['p50']:.1f}/{t['p80']:.1f} ms "
         f"| {r['model_tflops_per_device']:.2f} TFLOPS/device ({r['flops']['per_sequence'] / 1e9:.1f} GFLOP/seq, "
         f"{r['flops']['formula']}) | MFU {mfu_text}",
-        f"  memory: weights {anat.format_bytes(a['weights'])}, grads {anat.format_bytes(a['gradients'])}, "
-        f"optimizer {anat.format_bytes(a['optimizer_states'])}, activations {anat.format_bytes(a['activations'])}, "
-        f"temporaries {anat.format_bytes(a['temporaries'])}",
+        f"  memory: weights {format_bytes(a['weights'])}, grads {format_bytes(a['gradients'])}, "
+        f"optimizer {format_bytes(a['optimizer_states'])}, activations {format_bytes(a['activations'])}, "
+        f"temporaries {format_bytes(a['temporaries'])}",
     ]
     m = r["memory"]
     if "peak_allocated_bytes" in m:
-        lines.append(f"  peak allocated {anat.format_bytes(m['peak_allocated_bytes'])}, reserved "
-                     f"{anat.format_bytes(m['peak_reserved_bytes'])}, alloc retries {m['num_alloc_retries']}, "
+        lines.append(f"  peak allocated {format_bytes(m['peak_allocated_bytes'])}, reserved "
+                     f"{format_bytes(m['peak_reserved_bytes'])}, alloc retries {m['num_alloc_retries']}, "
                      f"OOMs {m['num_ooms']}")
     lines.append(f"  final loss {r['final_loss']:.4f}")
     return "\n".join(lines)

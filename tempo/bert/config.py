@@ -9,6 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from tempo.utils import atomic_write_text
+
+# The configs ship inside the package (the repository's configs/ links here), so an installed
+# wheel finds them too.
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def shipped_config_names() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("bert_*.json"))
+
 
 class ConfigError(ValueError):
     """A BERT config file or dict is missing a field or has an invalid value."""
@@ -115,6 +125,19 @@ class BertConfig:
             raise ConfigError(f"{path}: invalid JSON ({e})") from e
         return cls.from_dict(d, source=str(path))
 
+    @classmethod
+    def from_name(cls, name: str | os.PathLike) -> "BertConfig":
+        """A config JSON path, or the name of one shipped with the package (``bert_large``)."""
+        path = Path(name)
+        if path.exists():
+            return cls.from_json_file(path)
+        shipped = CONFIGS_DIR / (path.name if path.suffix == ".json" else f"{name}.json")
+        if path.suffix and path.parent != Path("."):  # a path the user gave that is not there
+            return cls.from_json_file(path)
+        if not shipped.is_file():
+            raise ConfigError(f"{name!r}: no such config file; shipped configs: {', '.join(shipped_config_names())}")
+        return cls.from_json_file(shipped)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -122,10 +145,7 @@ class BertConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def to_json_file(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(self.to_json_string(), encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_text(path, self.to_json_string())
 
 
 _FIELD_KINDS = {

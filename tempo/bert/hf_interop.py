@@ -16,7 +16,6 @@ import json
 import os
 import pickle
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from tempo.bert.config import BertConfig
+from tempo.utils import atomic_path, atomic_write_text, unwrap_model  # noqa: F401 (unwrap_model re-exported)
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
@@ -40,7 +40,8 @@ _POOLER = re.compile(r"^(bert\.)?pooler\.")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint cannot be read, or does not fit the model."""
+    """A checkpoint is missing, incomplete, corrupt, unsafe to load, or does not fit the model
+    (the one error type of every checkpoint reader and writer)."""
 
 
 @dataclass
@@ -80,17 +81,6 @@ def minilm_dir() -> Path:
 # ---------------------------------------------------------------------------------------------
 # Key normalisation and the common loading path
 # ---------------------------------------------------------------------------------------------
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
-            inner = model.module
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
 def _normalize_key(key: str, model_has_bert_prefix: bool) -> str:
     # Wrapper prefixes: DDP (`module.`) and torch.compile (`_orig_mod.`).
     while key.startswith(("module.", "_orig_mod.")):
@@ -246,18 +236,6 @@ def hf_config_dict(config: BertConfig, architecture: str) -> dict:
     return d
 
 
-def _atomic_write(target: Path, write) -> None:
-    """Write via a temp file in the same folder, then rename: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike,
                        config: Optional[BertConfig] = None) -> Path:
     """Write `model.safetensors` (HF names, vocab un-padded, tied decoder omitted as HF does)
@@ -280,10 +258,9 @@ def save_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike,
 
     architecture = _ARCHITECTURES.get(type(model).__name__, "BertModel")
     config_text = json.dumps(hf_config_dict(config, architecture), indent=2, sort_keys=True) + "\n"
-    _atomic_write(out_dir / SAFETENSORS_NAME,
-                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    _atomic_write(out_dir / CONFIG_NAME,
-                  lambda tmp: Path(tmp).write_text(config_text, encoding="utf-8"))
+    with atomic_path(out_dir / SAFETENSORS_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_text(out_dir / CONFIG_NAME, config_text)
     return out_dir
 
 

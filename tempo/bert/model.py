@@ -11,7 +11,6 @@ BertModel -> heads -> BertForPreTraining / BertForQuestionAnswering.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -20,46 +19,18 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tempo.bert.config import BertConfig
-
-ATTENTION_CHOICES = ("eager", "tempo", "sdpa")
-
-
-@dataclass(frozen=True)
-class TempoOptions:
-    """Which Tempo layers replace the stock PyTorch ones.
-
-    gelu: InplaceGelu instead of nn.GELU; layernorm: InplaceLayerNorm instead of nn.LayerNorm
-    (everywhere: embeddings, every encoder layer, MLM transform); attention: "eager" (reference
-    softmax/dropout/matmul), "tempo" (Combined softmax-dropout-matmul) or "sdpa"
-    (torch scaled_dot_product_attention).
-    """
-
-    gelu: bool = False
-    layernorm: bool = False
-    attention: str = "eager"
-
-    def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"unknown attention implementation {self.attention!r}; "
-                             f"choose one of {ATTENTION_CHOICES}")
-
-    @classmethod
-    def original(cls, attention: str = "eager") -> "TempoOptions":
-        return cls(gelu=False, layernorm=False, attention=attention)
-
-    @classmethod
-    def full(cls, attention: str = "tempo") -> "TempoOptions":
-        return cls(gelu=True, layernorm=True, attention=attention)
+from tempo.choices import TempoChoice
 
 
-def _layer_norm(config: BertConfig, options: TempoOptions) -> nn.Module:
+
+def _layer_norm(config: BertConfig, options: TempoChoice) -> nn.Module:
     if options.layernorm:
         from tempo.inplace_layernorm import InplaceLayerNorm  # lazy: optional Tempo kernel
         return InplaceLayerNorm(config.hidden_size, eps=config.layer_norm_eps)
     return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
-def _gelu(options: TempoOptions) -> nn.Module:
+def _gelu(options: TempoChoice) -> nn.Module:
     if options.gelu:
         from tempo.inplace_gelu import InplaceGelu  # lazy: optional Tempo kernel
         return InplaceGelu()
@@ -92,7 +63,7 @@ def additive_attention_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tenso
 # Embeddings
 # ---------------------------------------------------------------------------------------------
 class BertEmbeddings(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions):
+    def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         # Padded rows are never targets; they only round the GEMM shape (see padded_vocab_size).
         self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
@@ -119,7 +90,7 @@ class BertEmbeddings(nn.Module):
 class BertSelfAttention(nn.Module):
     """Multi-head self-attention; the softmax/dropout/matmul core is chosen by options.attention."""
 
-    def __init__(self, config: BertConfig, options: TempoOptions):
+    def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_size = config.head_size
@@ -163,7 +134,7 @@ class BertSelfAttention(nn.Module):
 
 
 class BertSelfOutput(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions):
+    def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = _layer_norm(config, options)
@@ -174,7 +145,7 @@ class BertSelfOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions):
+    def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.self = BertSelfAttention(config, options)
         self.output = BertSelfOutput(config, options)
@@ -187,7 +158,7 @@ class BertAttention(nn.Module):
 # Feed-forward, layer, encoder
 # ---------------------------------------------------------------------------------------------
 class BertIntermediate(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions):
+    def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.act = _gelu(options)
@@ -197,7 +168,7 @@ class BertIntermediate(nn.Module):
 
 
 class BertOutput(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions):
+    def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
         self.LayerNorm = _layer_norm(config, options)
@@ -208,7 +179,7 @@ class BertOutput(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions):
+    def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.attention = BertAttention(config, options)
         self.intermediate = BertIntermediate(config, options)
@@ -220,7 +191,7 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions,
+    def __init__(self, config: BertConfig, options: TempoChoice,
                  checkpoint_activations: bool = False):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config, options)
@@ -276,11 +247,11 @@ def init_bert_weights(module: nn.Module, initializer_range: float) -> None:
 
 
 class BertModel(nn.Module):
-    def __init__(self, config: BertConfig, options: Optional[TempoOptions] = None,
+    def __init__(self, config: BertConfig, options: Optional[TempoChoice] = None,
                  checkpoint_activations: bool = False, add_pooling_layer: bool = True):
         super().__init__()
         self.config = config
-        self.options = options if options is not None else TempoOptions()
+        self.options = options if options is not None else TempoChoice()
         self.embeddings = BertEmbeddings(config, self.options)
         self.encoder = BertEncoder(config, self.options, checkpoint_activations)
         self.pooler = BertPooler(config) if add_pooling_layer else None
@@ -303,7 +274,7 @@ class BertModel(nn.Module):
 # Pre-training heads
 # ---------------------------------------------------------------------------------------------
 class BertPredictionHeadTransform(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions):
+    def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.transform_act_fn = _gelu(options)
@@ -314,7 +285,7 @@ class BertPredictionHeadTransform(nn.Module):
 
 
 class BertLMPredictionHead(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions, word_embedding_weight: Tensor):
+    def __init__(self, config: BertConfig, options: TempoChoice, word_embedding_weight: Tensor):
         super().__init__()
         self.transform = BertPredictionHeadTransform(config, options)
         self.decoder = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
@@ -328,7 +299,7 @@ class BertLMPredictionHead(nn.Module):
 
 
 class BertPreTrainingHeads(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoOptions, word_embedding_weight: Tensor):
+    def __init__(self, config: BertConfig, options: TempoChoice, word_embedding_weight: Tensor):
         super().__init__()
         self.predictions = BertLMPredictionHead(config, options, word_embedding_weight)
         self.seq_relationship = nn.Linear(config.hidden_size, 2)
@@ -356,7 +327,7 @@ class PreTrainingOutput(NamedTuple):
 
 
 class BertForPreTraining(nn.Module):
-    def __init__(self, config: BertConfig, options: Optional[TempoOptions] = None,
+    def __init__(self, config: BertConfig, options: Optional[TempoChoice] = None,
                  checkpoint_activations: bool = False):
         super().__init__()
         self.config = config
@@ -398,7 +369,7 @@ class QuestionAnsweringOutput(NamedTuple):
 
 
 class BertForQuestionAnswering(nn.Module):
-    def __init__(self, config: BertConfig, options: Optional[TempoOptions] = None,
+    def __init__(self, config: BertConfig, options: Optional[TempoChoice] = None,
                  checkpoint_activations: bool = False):
         super().__init__()
         self.config = config

@@ -20,9 +20,10 @@ import hashlib
 import json
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Callable
+
+from tempo.utils import atomic_write
 
 _ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "r", "s", "sh",
            "t", "th", "tr", "v", "w", "z", "st", "qu"]
@@ -170,15 +171,8 @@ def generate_split(split: str, num_questions: int, seed: int, questions_per_para
 
 
 def _write_json(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, ensure_ascii=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as fh:
+        json.dump(obj, fh, ensure_ascii=False)
 
 
 def write_qa_set(out_dir: str | os.PathLike, num_train: int, num_dev: int, seed: int = 0) -> tuple[Path, Path]:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tempo.utils import atomic_write_text
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t", "tr",
            "v", "w", "z", "x", "sh", "th"]
@@ -256,14 +257,6 @@ def write_sample_corpus(out_dir: str | os.PathLike, num_documents: int = 2000, s
     for k in range(num_files):
         part = docs[k::num_files]
         path = out_dir / f"sample_corpus_{k:02d}.txt"
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out_dir)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write("\n\n".join("\n".join(doc) for doc in part) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_text(path, "\n\n".join("\n".join(doc) for doc in part) + "\n")
         paths.append(path)
     return paths

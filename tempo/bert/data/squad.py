@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from tempo.utils import atomic_write
 from tempo.bert.data.tokenization import DataError, WordPieceTokenizer
 
 FEATURES_FORMAT_VERSION = 1
@@ -337,16 +337,8 @@ def feature_cache_path(input_file: str | os.PathLike, vocab_file: str | os.PathL
 
 
 def save_features(features: SquadFeatures, path: str | os.PathLike) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **features.arrays())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "wb") as fh:
+        np.savez(fh, **features.arrays())
 
 
 def load_features(path: str | os.PathLike) -> SquadFeatures:

@@ -14,9 +14,10 @@ shard format pads ``input_ids`` and ``masked_lm_ids`` with 0.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from tempo.utils import atomic_write_text
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -46,19 +47,6 @@ def load_vocab(path: str | os.PathLike) -> list[str]:
     if not tokens:
         raise VocabError(f"vocab file is empty: {path}")
     return tokens
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _bert_pipeline(tokenizer, lower_case: bool):
@@ -157,5 +145,5 @@ def train_wordpiece_vocab(
     if tokens[: len(SPECIAL_TOKENS)] != list(SPECIAL_TOKENS):
         raise VocabError("tokenizers did not place the special tokens first")  # defensive
     out_path = Path(out_path)
-    _atomic_write_text(out_path, "".join(t + "\n" for t in tokens))
+    atomic_write_text(out_path, "".join(t + "\n" for t in tokens))
     return out_path

@@ -42,64 +42,36 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from tempo.memory import ActivationLedger
-from tempo.patch import apply_tempo
+from tempo.choices import LAYER_KINDS, TEMPO_ATTENTIONS, TempoChoice
+from tempo.train.step import TrainStep, to_device
+from tempo.train.max_batch import search_max_batch
+from tempo.utils import parse_bytes
+from tempo.integrations.patch import apply_tempo
 
-logger = logging.getLogger("tempo.autotempo")
+logger = logging.getLogger("tempo.integrations.autotempo")
 
 ModelFactory = Callable[[], nn.Module]
 BatchFactory = Callable[[int], Any]
 MeasureResult = Union[tuple[bool, float], tuple[bool, float, Optional[int]]]
 Measure = Callable[[ModelFactory, int], MeasureResult]
-KINDS = ("gelu", "layernorm", "attention")
 
 
 # ---------------------------------------------------------------------------------------------
 # What to apply
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TempoChoice:
-    """Which Tempo layer kinds to apply, and to how many leading Transformer blocks (None: all)."""
-
-    gelu: bool = False
-    layernorm: bool = False
-    attention: bool = False
-    first_layers: Optional[int] = None
-
-    @classmethod
-    def none(cls) -> "TempoChoice":
-        return cls()
-
-    @classmethod
-    def full(cls, kinds: Iterable[str] = KINDS) -> "TempoChoice":
-        kinds = set(kinds)
-        return cls(gelu="gelu" in kinds, layernorm="layernorm" in kinds, attention="attention" in kinds)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return tuple(k for k in KINDS if getattr(self, k))
-
-    @property
-    def is_none(self) -> bool:
-        return not self.kinds
-
-    @property
-    def label(self) -> str:
-        if self.is_none:
-            return "no tempo"
-        where = "" if self.first_layers is None else f" (first {self.first_layers} layers)"
-        return "+".join(self.kinds) + where
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        if self.is_none:
-            return model
-        if self.first_layers is None:
-            return apply_tempo(model, gelu=self.gelu, layernorm=self.layernorm, attention=self.attention)
-        for block in transformer_blocks(model)[: self.first_layers]:
-            apply_tempo(block, gelu=self.gelu, layernorm=self.layernorm, attention=False)
-        if self.attention:
-            apply_tempo(model, gelu=False, layernorm=False, attention=True)
+def apply_choice(choice: TempoChoice, model: nn.Module) -> nn.Module:
+    """Apply a TempoChoice to a model (in place): layer kinds on all blocks or the first k; attention
+    is set per model (HF has one attn_implementation per config), never on some layers only."""
+    if choice.is_none:
         return model
+    attention = choice.attention in TEMPO_ATTENTIONS
+    if choice.first_layers is None:
+        return apply_tempo(model, gelu=choice.gelu, layernorm=choice.layernorm, attention=attention)
+    for block in transformer_blocks(model)[: choice.first_layers]:
+        apply_tempo(block, gelu=choice.gelu, layernorm=choice.layernorm, attention=False)
+    if attention:
+        apply_tempo(model, gelu=False, layernorm=False, attention=True)
+    return model
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -113,19 +85,6 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 # ---------------------------------------------------------------------------------------------
 # Measuring
 # ---------------------------------------------------------------------------------------------
-def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
-    """1.5e9, "512MiB", "2GB", "2G" -> bytes (binary units for KiB/MiB/GiB and K/M/G)."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else int(value)
-    text = value.strip().upper().replace(" ", "")
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6,
-             "GB": 10**9, "TB": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "B": 1}
-    for suffix, scale in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * scale)
-    return int(float(text))
-
-
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -136,20 +95,9 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
-
-
-def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (list, tuple)) else model(batch)
-    loss = out.loss if hasattr(out, "loss") else out[0] if isinstance(out, (tuple, list)) else out
-    return loss if loss.dim() == 0 else loss.float().mean()
+def _loss(model: nn.Module, batch: Any) -> Any:
+    """A user's batch through a user's model: keyword batch, positional batch, or one tensor."""
+    return model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (list, tuple)) else model(batch)
 
 
 @dataclass
@@ -174,7 +122,7 @@ class DefaultMeasure:
     def __init__(self, batch_factory: BatchFactory, memory_budget: Union[int, str, None] = None,
                  device: Union[str, torch.device, None] = None, steps: int = 3, warmup: int = 1,
                  optimizer_factory: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None,
-                 autocast_dtype: Optional[torch.dtype] = None):
+                 autocast_dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = 1.0):
         self.batch_factory = batch_factory
         self.memory_budget = parse_bytes(memory_budget)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -182,19 +130,17 @@ class DefaultMeasure:
         self.warmup = max(1, warmup)  # the first step also sizes the optimizer states
         self.optimizer_factory = optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=1e-4))
         self.autocast_dtype = autocast_dtype
+        self.max_grad_norm = max_grad_norm
 
-    def _step(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-              ledger: Optional[ActivationLedger] = None) -> None:
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
-            if ledger is not None:
-                with ledger:
-                    loss = _loss(model, batch)
-            else:
-                loss = _loss(model, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # keep .grad allocated: it is part of the footprint
+    @property
+    def precision(self) -> str:
+        return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.autocast_dtype]
+
+    def _train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainStep:
+        # The trainers' step (autocast, fp16 scaling, clipping, skip rules); the ledger runs on
+        # the first micro-batch only when the footprint is estimated (CPU), as in the trainers.
+        return TrainStep(model, optimizer, _loss, self.precision, self.device, max_grad_norm=self.max_grad_norm,
+                         measure_activations=self.device.type != "cuda")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -204,20 +150,21 @@ class DefaultMeasure:
         """Exact byte count of one training step's persistent parts (no timing)."""
         model = model_factory().to(self.device).train()
         optimizer = self.optimizer_factory(model.parameters())
-        batch = _to_device(self.batch_factory(batch_size), self.device)
-        ledger = ActivationLedger(model)
-        self._step(model, optimizer, batch, ledger)
-        return self._estimate(model, optimizer, ledger)
+        step = TrainStep(model, optimizer, _loss, self.precision, self.device, max_grad_norm=self.max_grad_norm)
+        step([self.batch_factory(batch_size)])
+        return self._estimate(model, optimizer, step.activation_bytes)
 
     @staticmethod
-    def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, ledger: ActivationLedger) -> MemoryEstimate:
+    def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> MemoryEstimate:
         params = list(model.parameters())
         states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        trainable = {id(p): p for p in params if p.requires_grad}.values()
         return MemoryEstimate(
             weights=_storage_bytes(params + list(model.buffers())),
-            gradients=_storage_bytes(p.grad for p in params if p.grad is not None),
+            # one gradient per trainable parameter, in its dtype (zero_grad frees them between steps)
+            gradients=sum(p.numel() * p.element_size() for p in trainable),
             optimizer_states=_storage_bytes(states),
-            activations=ledger.activation_bytes,
+            activations=activations,
         )
 
     def __call__(self, model_factory: ModelFactory, batch_size: int) -> tuple[bool, float, Optional[int]]:
@@ -227,19 +174,20 @@ class DefaultMeasure:
                 torch.cuda.reset_peak_memory_stats(self.device)
             model = model_factory().to(self.device).train()
             optimizer = self.optimizer_factory(model.parameters())
-            batch = _to_device(self.batch_factory(batch_size), self.device)
-            ledger = ActivationLedger(model) if self.device.type != "cuda" else None
-            self._step(model, optimizer, batch, ledger)  # also the first warm-up step
-            if ledger is not None:
-                used = self._estimate(model, optimizer, ledger).total
+            batch = to_device(self.batch_factory(batch_size), self.device)
+            step = self._train_step(model, optimizer)
+            step([batch])  # also the first warm-up step
+            used = None
+            if self.device.type != "cuda":
+                used = self._estimate(model, optimizer, step.activation_bytes).total
                 if self.memory_budget is not None and used > self.memory_budget:
                     return False, 0.0, used
             for _ in range(self.warmup - 1):
-                self._step(model, optimizer, batch)
+                step([batch])
             self._sync()
             start = time.perf_counter()
             for _ in range(self.steps):
-                self._step(model, optimizer, batch)
+                step([batch])
             self._sync()
             elapsed = time.perf_counter() - start
             if self.device.type == "cuda":
@@ -250,7 +198,7 @@ class DefaultMeasure:
         except torch.cuda.OutOfMemoryError:
             return False, 0.0, None
         finally:
-            model = optimizer = batch = None  # noqa: F841 - free before the next probe
+            model = optimizer = batch = step = None  # noqa: F841 - free before the next probe
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -281,7 +229,7 @@ class AutoTempoResult:
         return not self.choice.is_none
 
     def apply(self, model: nn.Module) -> nn.Module:
-        return self.choice.apply(model)
+        return apply_choice(self.choice, model)
 
     def table(self) -> list[dict[str, Any]]:
         return [{"tempo": m.choice.label, "batch_size": m.batch_size, "fits": m.fits,
@@ -302,8 +250,6 @@ class AutoTempoResult:
 # Search
 # ---------------------------------------------------------------------------------------------
 def _search_max_batch(probe: Callable[[int], bool], start: int, max_batch: Optional[int]) -> int:
-    from tempo.bench.max_batch import search_max_batch  # the harness ships with this package
-
     return search_max_batch(probe, start=start, max_batch=max_batch)[0]
 
 
@@ -319,7 +265,7 @@ class _Measurer:
     def __call__(self, choice: TempoChoice, batch_size: int) -> Measurement:
         key = (choice, batch_size)
         if key not in self._cache:
-            result = tuple(self.measure(lambda: choice.apply(self.model_factory()), batch_size))
+            result = tuple(self.measure(lambda: apply_choice(choice, self.model_factory()), batch_size))
             fits, samples_per_s = bool(result[0]), float(result[1]) if result[0] else 0.0
             memory = result[2] if len(result) > 2 else None
             record = Measurement(choice, batch_size, fits, samples_per_s, memory)
@@ -350,7 +296,7 @@ def _still_rising(curve: list[Measurement], min_gain: float) -> tuple[bool, str]
                     f"at {top.batch_size} ({gain:+.0%}, threshold {min_gain:+.0%})")
 
 
-def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = KINDS) -> list[TempoChoice]:
+def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = LAYER_KINDS) -> list[TempoChoice]:
     """No Tempo, each kind alone, all kinds, and all kinds on the first 1/4, 1/2, 3/4 of the layers."""
     candidates = [TempoChoice.none()] + [TempoChoice.full([k]) for k in kinds]
     if len(kinds) > 1:
@@ -364,7 +310,7 @@ def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = KINDS) 
 def auto_tempo(model_factory: ModelFactory, batch_factory: Optional[BatchFactory] = None, policy: str = "fast",
                memory_budget: Union[int, str, None] = None, measure: Optional[Measure] = None,
                start_batch: int = 1, max_batch: Optional[int] = 1024, min_gain: float = 0.05,
-               kinds: Sequence[str] = KINDS, candidates: Optional[Sequence[TempoChoice]] = None,
+               kinds: Sequence[str] = LAYER_KINDS, candidates: Optional[Sequence[TempoChoice]] = None,
                device: Union[str, torch.device, None] = None) -> AutoTempoResult:
     """Choose how to apply Tempo to the models ``model_factory`` builds; see the module docstring.
 
@@ -377,9 +323,9 @@ def auto_tempo(model_factory: ModelFactory, batch_factory: Optional[BatchFactory
     """
     if policy not in ("fast", "smart"):
         raise ValueError(f"policy must be 'fast' or 'smart', got {policy!r}")
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(LAYER_KINDS)
     if unknown:
-        raise ValueError(f"unknown Tempo layer kinds {sorted(unknown)}; choose from {KINDS}")
+        raise ValueError(f"unknown Tempo layer kinds {sorted(unknown)}; choose from {LAYER_KINDS}")
     if measure is None:
         if batch_factory is None:
             raise ValueError("auto_tempo needs batch_factory (for the default measure) or measure")
@@ -444,5 +390,5 @@ def _smart(measurer: _Measurer, model_factory: ModelFactory, start: int, max_bat
                            f"best of {len(candidates)} candidates: {versus}", measurer.records)
 
 
-__all__ = ["auto_tempo", "AutoTempoResult", "DefaultMeasure", "Measurement", "MemoryEstimate", "TempoChoice",
-           "default_candidates", "parse_bytes", "transformer_blocks"]
+__all__ = ["apply_choice", "auto_tempo", "AutoTempoResult", "DefaultMeasure", "Measurement", "MemoryEstimate", "TempoChoice",
+           "default_candidates", "transformer_blocks"]

@@ -18,11 +18,11 @@ modified, so other models in the process are untouched. What is replaced:
     its config asks for activation_function="gelu". Activations called as plain functions
     (e.g. RoBERTa's LM head calls ``gelu(x)``) cannot be swapped and stay as they are.
   * attention (HF models only): the model's ``config._attn_implementation`` becomes "tempo",
-    registered by ``tempo.hf_attention`` with transformers' AttentionInterface and
+    registered by ``tempo.integrations.hf_attention`` with transformers' AttentionInterface and
     AttentionMaskInterface. Needs transformers >= 4.50 and a model class whose attention
     dispatches through the interface; otherwise ImportError, before anything is changed.
 
-Every replacement is logged on ``logging.getLogger("tempo.patch")``: one INFO line per kind with
+Every replacement is logged on ``logging.getLogger("tempo.integrations.patch")``: one INFO line per kind with
 counts, one DEBUG line per module. Applying twice changes nothing the second time. Each
 replacement keeps the module it replaced (outside the module tree, so not in state_dict and not
 moved by ``.to()``); ``revert_tempo`` puts those exact objects back, with the Parameters the
@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-logger = logging.getLogger("tempo.patch")
+logger = logging.getLogger("tempo.integrations.patch")
 
 _ORIGINAL = "_tempo_original"  # on a replacement: the module it replaced
 _STATE = "_tempo_patch_state"  # on the root model: what apply_tempo changed outside the tree
@@ -153,7 +153,7 @@ def _set_attn_implementation(model: nn.Module, implementation: str) -> None:
 
 
 def _patch_attention(model: nn.Module, state: dict[str, Any]) -> bool:
-    from tempo.hf_attention import TEMPO_ATTENTION, register_tempo_attention
+    from tempo.integrations.hf_attention import TEMPO_ATTENTION, register_tempo_attention
 
     configs = _configs_of(model)
     if not configs:
@@ -173,7 +173,7 @@ def _patch_attention(model: nn.Module, state: dict[str, Any]) -> bool:
 
 
 def _check_attention_possible(model: nn.Module) -> None:
-    from tempo.hf_attention import (MIN_ATTENTION_INTERFACE_VERSION, model_dispatches_attention,
+    from tempo.integrations.hf_attention import (MIN_ATTENTION_INTERFACE_VERSION, model_dispatches_attention,
                                     require_attention_interface, transformers_version)
 
     if not _configs_of(model):

@@ -14,12 +14,12 @@ live only during forward or backward: the allocator's peak measures those.
         loss = model(batch).loss
     print(ledger.activation_bytes, ledger.by_module())
 
-``python -m tempo.memory`` prints the per-layer table for a BERT-large encoder layer.
+``python -m tempo.memory`` prints the per-layer table for BERT-large encoder layers (the table itself
+lives with the benchmarks, ``tempo.bench.ledger_table``: it builds models, this module does not).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -173,129 +173,3 @@ def marginal_bytes_per_token(run_batch: Callable[[int], ActivationLedger], token
     per_token = (bytes_large - bytes_small) / ((large - small) * tokens_per_sample)
     fixed = bytes_small - per_token * small * tokens_per_sample
     return per_token, fixed
-
-
-# -- the table the README and the issue quote ----------------------------------------------
-LEDGER_VARIANTS = ("original", "tempo", "original+sdpa", "tempo+sdpa")
-
-
-def bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype, device: str,
-                      config_name: str = "bert_large.json") -> ActivationLedger:
-    """Ledger of one post-LN encoder layer's forward in training mode (dropout on)."""
-    from tempo.bert.config import BertConfig
-    from tempo.bert.model import BertLayer, TempoOptions, additive_attention_mask
-
-    config = BertConfig.from_json_file(_configs_dir() / config_name)
-    if variant.startswith("hf-"):
-        return _hf_layer_ledger(variant[3:], config, seq_len, batch, dtype, device)
-    options = {
-        "original": TempoOptions.original(attention="eager"),
-        "tempo": TempoOptions.full(attention="tempo"),
-        "original+sdpa": TempoOptions.original(attention="sdpa"),
-        "tempo+sdpa": TempoOptions.full(attention="sdpa"),
-    }[variant]
-    torch.manual_seed(0)
-    layer = BertLayer(config, options).to(device).train()
-    # The layer's input is the previous layer's LayerNorm output: fp32 from nn.LayerNorm under
-    # autocast, the autocast dtype from InplaceLayerNorm. Feed each variant what it would get.
-    input_dtype = dtype if options.layernorm else torch.float32
-    hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, dtype=input_dtype,
-                         requires_grad=True)
-    # The additive mask as the model builds it: in the compute dtype, so it does not promote
-    # bf16 scores to fp32 (no padding here).
-    mask = additive_attention_mask(torch.ones(batch, seq_len, device=device),
-                                   dtype if dtype != torch.float32 else torch.float32)
-
-    def forward() -> None:
-        with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
-            layer(hidden, mask)
-
-    return saved_bytes(forward, model=layer)
-
-
-def _hf_layer_ledger(attn_impl: str, config: Any, seq_len: int, batch: int, dtype: torch.dtype,
-                     device: str) -> ActivationLedger:
-    """The same layer as HF transformers builds it (what most users train today)."""
-    from transformers import BertConfig as HFBertConfig
-    from transformers.models.bert.modeling_bert import BertLayer as HFBertLayer
-
-    hf_config = HFBertConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                             intermediate_size=config.intermediate_size, attn_implementation=attn_impl)
-    torch.manual_seed(0)
-    layer = HFBertLayer(hf_config).to(device).train()
-    hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
-
-    def forward() -> None:
-        with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
-            layer(hidden)
-
-    return saved_bytes(forward, model=layer)
-
-
-def _transformers_available() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _configs_dir():
-    from pathlib import Path
-
-    return Path(__file__).resolve().parent.parent / "configs"
-
-
-def ledger_table(seq_lens=(128, 512), variants=LEDGER_VARIANTS, dtype: torch.dtype = torch.bfloat16,
-                 device: str = "cpu", hidden: int = 1024) -> list[dict[str, Any]]:
-    """Rows of marginal bytes kept per token per BERT-large encoder layer, in units of h."""
-    rows = []
-    for seq_len in seq_lens:
-        row: dict[str, Any] = {"seq_len": seq_len}
-        for variant in variants:
-            per_token, _fixed = marginal_bytes_per_token(
-                lambda b: bert_layer_ledger(variant, seq_len, b, dtype, device), seq_len)
-            row[variant] = per_token / hidden
-        rows.append(row)
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    variants = [k for k in rows[0] if k != "seq_len"]
-    header = "| s | " + " | ".join(variants) + " | Tempo saves |"
-    lines = [header, "|" + "---|" * (len(variants) + 2)]
-    for row in rows:
-        saving = 1 - row["tempo"] / row["original"] if "tempo" in row and "original" in row else float("nan")
-        cells = " | ".join(f"{row[v]:.1f} h" for v in variants)
-        lines.append(f"| {row['seq_len']} | {cells} | {saving:.0%} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tempo.memory",
-        description="Bytes autograd keeps for backward per token per BERT-large encoder layer (units of h).",
-    )
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
-                        help="autocast dtype (fp32 = no autocast)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers BertLayer column")
-    args = parser.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    if args.device == "cpu" and dtype == torch.float16:
-        parser.error("--dtype fp16 autocast needs --device cuda")
-    variants = LEDGER_VARIANTS + (("hf-eager",) if _transformers_available() and not args.no_hf else ())
-    rows = ledger_table(tuple(args.seq_lens), variants=variants, dtype=dtype, device=args.device)
-    print(f"Activation ledger: one BERT-large post-LN encoder layer (h=1024, 16 heads, dropout 0.1), "
-          f"{args.dtype} autocast.\nBytes kept for backward per token (marginal: batch 2 minus batch 1, "
-          f"so autocast's fixed weight copies are excluded), in units of h = 1024 bytes")
-    print(format_table(rows))
-    if args.device == "cpu":
-        print("On the CPU, scaled_dot_product_attention runs PyTorch's math fallback, which keeps the whole\n"
-              "attention matrix; on a GPU its flash/memory-efficient kernels keep O(s) per row instead.")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -22,11 +22,9 @@ differences worth knowing:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,25 +32,28 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tempo.bert.dllog import JsonLogger
-from tempo.memory import ActivationLedger
-from tempo.bert.runtime import (
+from tempo.bert.config import BertConfig
+from tempo.bert.model import BertForPreTraining
+from tempo.train.checkpointing import install_sigterm_handler, save_checkpoint
+from tempo.train.dllog import JsonLogger
+from tempo.train.flags import add_tempo_flags, add_training_flags, tempo_choice_from_args
+from tempo.train.optim import PolyWarmUpScheduler, bert_param_groups, make_optimizer
+from tempo.train.runtime import (
     Runtime,
     UsageError,
-    autocast_context,
     check_output_dir,
     configure_matmul_precision,
-    make_grad_scaler,
-    no_sync_if,
+    format_rate,
+    mean_over_ranks,
     peak_memory_bytes,
     precision_from_flags,
     run_main,
     seed_everything,
     setup_runtime,
-    synchronize,
     teardown_runtime,
+    wrap_ddp,
 )
-from tempo.bert.tempo_switch import add_tempo_flags, tempo_options_from_args
+from tempo.train.step import StepClock, TrainStep, default_excluded_steps
 
 PROG = "run_pretraining.py"
 
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_cuda", action="store_true", help="train on the CPU even when a GPU is present")
     p.add_argument("--warmup_steps_excluded", type=int, default=None,
                    help="steps left out of the throughput figure (default: 10%% of the run, at least 1)")
+    add_training_flags(p)
     add_tempo_flags(p)
     return p
 
@@ -155,16 +157,12 @@ def make_batches(args: argparse.Namespace, config: Any, rt: Runtime):
                               max_predictions_per_seq=args.max_predictions_per_seq)
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 def _restore(args, model, optimizer, scheduler, scaler, batches) -> tuple[int, Path | None, bool]:
     """Apply --resume_from_checkpoint / --init_checkpoint.
 
     Returns (step of this phase, checkpoint used, whether this run starts phase 2 from phase 1).
     """
-    from tempo.bert.checkpointing import latest_checkpoint, list_checkpoints, load_checkpoint
+    from tempo.train.checkpointing import latest_checkpoint, list_checkpoints, load_checkpoint
 
     if args.resume_from_checkpoint:
         if args.resume_step >= 0:
@@ -207,62 +205,63 @@ def _reset_optimizer_steps(optimizer: torch.optim.Optimizer) -> None:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    from tempo.bert.checkpointing import install_sigterm_handler, save_checkpoint
-    from tempo.bert.config import BertConfig
-    from tempo.bert.model import BertForPreTraining
-    from tempo.bert.optim import PolyWarmUpScheduler, bert_param_groups, make_optimizer
-
     config = BertConfig.from_json_file(args.config_file)
     validate_args(args, config)
     precision = precision_from_flags(args.fp16, args.bf16, args.tf32)
     rt = setup_runtime(args.local_rank, force_cpu=args.no_cuda)
     try:
-        return _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
-                      bert_param_groups, make_optimizer, save_checkpoint, install_sigterm_handler)
+        return _train(args, config, precision, rt)
     finally:
         teardown_runtime(rt)
 
 
-def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler, bert_param_groups,
-           make_optimizer, save_checkpoint, install_sigterm_handler) -> dict[str, Any]:
-    if rt.is_main:
-        check_output_dir(args.output_dir)
-    configure_matmul_precision(precision)
-    seed_everything(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-    options = tempo_options_from_args(args)
+def pretraining_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    """A DLE batch through BertForPreTraining: the output carries loss and mlm_loss."""
+    return model(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
+                 attention_mask=batch["input_mask"], masked_lm_positions=batch["masked_lm_positions"],
+                 masked_lm_labels=batch["masked_lm_labels"], next_sentence_labels=batch["next_sentence_labels"])
 
-    model = BertForPreTraining(config, options, checkpoint_activations=args.checkpoint_activations)
-    model.to(rt.device)
+
+def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
+    """Model, optimizer, schedule and data, restored from a checkpoint when asked."""
+    model = BertForPreTraining(config, choice, checkpoint_activations=args.checkpoint_activations).to(rt.device)
     optimizer = make_optimizer(args.optimizer, bert_param_groups(model, args.weight_decay), lr=args.learning_rate)
+
     def new_schedule() -> Any:
         return PolyWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=args.max_steps,
                                    base_lr=args.learning_rate)
 
     scheduler = new_schedule()
-    scaler = make_grad_scaler(precision, rt.device)
+    train_step = TrainStep(model, optimizer, pretraining_loss, precision, rt.device, scheduler=scheduler,
+                           max_grad_norm=args.max_grad_norm, train_model=wrap_ddp(model, rt),
+                           distributed=rt.distributed, track=("mlm_loss",))
     batches = make_batches(args, config, rt)
-    step, resumed_from, starts_phase2 = _restore(args, model, optimizer, scheduler, scaler, batches)
+    step, resumed_from, starts_phase2 = _restore(args, model, optimizer, scheduler, train_step.scaler, batches)
     if starts_phase2:
-        scheduler = new_schedule()  # phase 1's schedule was restored with the checkpoint
+        train_step.scheduler = scheduler = new_schedule()  # phase 1's schedule came with the checkpoint
     if resumed_from is None or starts_phase2:
         seed_everything(args.seed + 1000 * rt.rank)  # dropout streams differ per rank
     elif rt.rank > 0:
         # Only rank 0's RNG state is checkpointed: other ranks re-derive theirs from the step,
         # so their dropout after a resume differs from an uninterrupted run (rank 0's does not).
         seed_everything(args.seed + 1000 * rt.rank + step)
+    return model, optimizer, scheduler, train_step, batches, step, resumed_from
 
-    train_model = model
-    if rt.distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
-        train_model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+def _train(args: argparse.Namespace, config: BertConfig, precision: str, rt: Runtime) -> dict[str, Any]:
+    if rt.is_main:
+        check_output_dir(args.output_dir)
+    configure_matmul_precision(precision)
+    seed_everything(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    choice = tempo_choice_from_args(args)
+    model, optimizer, scheduler, train_step, batches, step, resumed_from = _build(args, config, precision, rt, choice)
 
     logger = JsonLogger((args.json_summary or os.path.join(args.output_dir, "dllogger.json")) if rt.is_main else None)
     if rt.is_main:
         logger.parameters({**vars(args), "precision": precision, "world_size": rt.world_size,
-                           "tempo_options": str(options), "device": str(rt.device),
+                           "tempo_options": str(choice), "device": str(rt.device),
                            "torch": torch.__version__, "resumed_from": str(resumed_from) if resumed_from else None})
-        print(f"{PROG}: {config.num_hidden_layers} layers, h={config.hidden_size}, {precision}, {options}, "
+        print(f"{PROG}: {config.num_hidden_layers} layers, h={config.hidden_size}, {precision}, {choice}, "
               f"device {rt.device}, world size {rt.world_size}, starting at step {step}")
 
     steps_left = args.max_steps - step
@@ -270,86 +269,73 @@ def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
         steps_left = min(steps_left, args.steps_this_run)
     excluded = args.warmup_steps_excluded
     if excluded is None:
-        excluded = max(1, steps_left // 10) if steps_left > 1 else 0
-    sequences_per_step = args.train_batch_size * rt.world_size
-    log_every = max(1, int(args.log_freq))
+        excluded = default_excluded_steps(steps_left)
     phase = 2 if args.phase2 else 1
     step_offset = args.phase1_end_step if args.phase2 else 0  # checkpoint numbering, as DLE
 
     def checkpoint(step_now: int) -> None:
         if args.skip_checkpoint or not rt.is_main:
             return
-        save_checkpoint(args.output_dir, step_offset + step_now, model, optimizer, scheduler, scaler,
+        save_checkpoint(args.output_dir, step_offset + step_now, model, optimizer, scheduler, train_step.scaler,
                         data_state=batches.state_dict(),
                         extra={"phase": phase, "phase_step": step_now, "config": config.to_dict(),
-                               "tempo_options": str(options)})
+                               "tempo_options": str(choice)})
 
+    losses, clock, stop, step = _loop(args, rt, train_step, batches, step, steps_left, excluded, logger, checkpoint)
+    if step % args.num_steps_per_checkpoint != 0 and not stop.requested:
+        checkpoint(step)  # the run's last step is always resumable
+
+    summary = {
+        "e2e_train_time": clock.elapsed,
+        "training_sequences_per_second": clock.samples_per_second,
+        "final_loss": losses[-1] if losses else float("nan"),
+        "steps": clock.steps,
+        "global_step": step,
+        "timed_steps": clock.timed_steps,
+        "precision": precision,
+        "tempo_options": str(choice),
+        "skipped_steps": train_step.skipped_steps,
+        "micro_batch_size": args.train_batch_size // args.gradient_accumulation_steps,
+        "activation_bytes_per_micro_batch": train_step.activation_bytes,
+        "stopped_by_sigterm": bool(stop.requested),
+        **peak_memory_bytes(rt.device),
+    }
+    if rt.is_main:
+        logger.summary(summary)
+        logger.close()
+        speed = summary["training_sequences_per_second"]
+        print(f"{PROG}: done: {clock.steps} steps in {summary['e2e_train_time']:.1f} s, "
+              f"{format_rate(speed)} (first {excluded} steps excluded), final loss {summary['final_loss']:.4f}")
+    if math.isnan(summary["final_loss"]):
+        warnings.warn("final loss is NaN", stacklevel=1)
+    return summary
+
+
+def _loop(args, rt, train_step, batches, step, steps_left, excluded, logger, checkpoint):
+    """The training loop: one TrainStep per iteration, logging and checkpoints in between."""
     stop = install_sigterm_handler()
     data_iter = iter(batches)
     progress = tqdm(total=steps_left, disable=args.disable_progress_bar or not rt.is_main,
                     desc="pretraining", unit="step", dynamic_ncols=True)
-    activation_bytes: int | None = None
+    log_every = max(1, int(args.log_freq))
     losses: list[float] = []
-    step_times: list[float] = []
-    timed_start = None
-    run_start = time.perf_counter()
-    steps_done = 0
-    model.train()
-    while steps_done < steps_left:
-        step_start = time.perf_counter()
-        step_loss = torch.zeros((), device=rt.device)
-        step_mlm = torch.zeros((), device=rt.device)
-        for micro in range(args.gradient_accumulation_steps):
-            batch = _to_device(next(data_iter), rt.device)
-            last_micro = micro == args.gradient_accumulation_steps - 1
-            # The very first micro-batch runs under the activation ledger: the bytes autograd
-            # keeps for backward are part of the summary (hooks only, no change to the math).
-            ledger = ActivationLedger(model) if activation_bytes is None else contextlib.nullcontext()
-            with no_sync_if(train_model, rt.distributed and not last_micro):
-                with ledger, autocast_context(precision, rt.device):
-                    out = train_model(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
-                                      attention_mask=batch["input_mask"],
-                                      masked_lm_positions=batch["masked_lm_positions"],
-                                      masked_lm_labels=batch["masked_lm_labels"],
-                                      next_sentence_labels=batch["next_sentence_labels"])
-                    loss = out.loss / args.gradient_accumulation_steps  # mean over the whole step
-                if activation_bytes is None:
-                    activation_bytes = ledger.activation_bytes
-                (scaler.scale(loss) if scaler else loss).backward()
-            step_loss += loss.detach()
-            step_mlm += out.mlm_loss.detach() / args.gradient_accumulation_steps
-        if scaler is not None:
-            scaler.unscale_(optimizer)  # LAMB clips the true gradient norm
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            stepped = scaler.get_scale() >= scale_before  # the scale drops exactly on skipped steps
-        else:
-            stepped = optimizer.step() is not False  # LAMB returns False on non-finite gradients
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step used, for the log
-        if stepped:
-            scheduler.step()  # as DLE: the schedule follows the steps actually taken
-        optimizer.zero_grad(set_to_none=True)
+    clock = StepClock(rt.device, excluded)
+    train_step.model.train()
+    while clock.steps < steps_left:
+        clock.begin_step()
+        out = train_step([next(data_iter) for _ in range(args.gradient_accumulation_steps)])
+        clock.end_step(out.samples * rt.world_size)
         step += 1
-        steps_done += 1
-
-        if steps_done == excluded:
-            synchronize(rt.device)
-            timed_start = time.perf_counter()
-        if steps_done % log_every == 0 or steps_done == steps_left:
-            if rt.distributed:
-                torch.distributed.all_reduce(step_loss)
-                step_loss /= rt.world_size
-            loss_value = step_loss.item()  # a sync: only on log steps
+        if clock.steps % log_every == 0 or clock.steps == steps_left:
+            loss_value = mean_over_ranks(out.loss, rt)  # a sync: only on log steps
             losses.append(loss_value)
-            step_times.append(time.perf_counter() - step_start)
             if rt.is_main:
-                logger.log(step, {"loss": loss_value, "mlm_loss": step_mlm.item(), "learning_rate": lr,
-                                  "step_time_s": step_times[-1]})
-                progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                logger.log(step, {"loss": loss_value, "mlm_loss": out.extras["mlm_loss"].item(),
+                                  "learning_rate": out.lr, "step_time_s": clock.step_times[-1]})
+                progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{out.lr:.2e}")
                 if args.disable_progress_bar:
-                    print(f"step {step}/{args.max_steps} | loss {loss_value:.4f} | lr {lr:.3e} | "
-                          f"{step_times[-1] * 1000:.0f} ms")
+                    print(f"step {step}/{args.max_steps} | loss {loss_value:.4f} | lr {out.lr:.3e} | "
+                          f"{clock.step_times[-1] * 1000:.0f} ms")
         progress.update(1)
         if step % args.num_steps_per_checkpoint == 0:
             checkpoint(step)
@@ -358,37 +344,8 @@ def _train(args, config, precision, rt, BertForPreTraining, PolyWarmUpScheduler,
             checkpoint(step)
             break
     progress.close()
-    synchronize(rt.device)
-    end = time.perf_counter()
-    if step % args.num_steps_per_checkpoint != 0 and not stop.requested:
-        checkpoint(step)  # the run's last step is always resumable
-
-    timed_steps = steps_done - excluded
-    throughput = (timed_steps * sequences_per_step / (end - timed_start)
-                  if timed_start is not None and timed_steps > 0 else float("nan"))
-    summary = {
-        "e2e_train_time": end - run_start,
-        "training_sequences_per_second": throughput,
-        "final_loss": losses[-1] if losses else float("nan"),
-        "steps": steps_done,
-        "global_step": step,
-        "timed_steps": timed_steps,
-        "precision": precision,
-        "tempo_options": str(options),
-        "skipped_steps": getattr(optimizer, "skipped_steps", 0),
-        "micro_batch_size": args.train_batch_size // args.gradient_accumulation_steps,
-        "activation_bytes_per_micro_batch": activation_bytes,
-        "stopped_by_sigterm": bool(stop.requested),
-        **peak_memory_bytes(rt.device),
-    }
-    if rt.is_main:
-        logger.summary(summary)
-        logger.close()
-        print(f"{PROG}: done: {steps_done} steps in {summary['e2e_train_time']:.1f} s, "
-              f"{throughput:.1f} seq/s (first {excluded} steps excluded), final loss {summary['final_loss']:.4f}")
-    if math.isnan(summary["final_loss"]):
-        warnings.warn("final loss is NaN", stacklevel=1)
-    return summary
+    clock.stop()
+    return losses, clock, stop, step
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 What scripts/tempo/tempo_benchmarking_squad_<gpu>.sh run:
 
-    python -m tempo.bert.squad_benchmark --gpu a100 --precisions tf32,bf16
+    python -m tempo.bench.squad_benchmark --gpu a100 --precisions tf32,bf16
 
 For each precision and each of original/Tempo: ``python -m tempo.bench max-batch`` searches the
 largest ``--train_batch_size`` for which a short ``run_squad.py`` run succeeds (a fresh process
@@ -27,15 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tempo.bert.config import CONFIGS_DIR
+
 MODES = ("original", "tempo")
 PRECISION_FLAGS = {"fp32": [], "tf32": ["--tf32"], "fp16": ["--fp16"], "bf16": ["--bf16"]}
-REPO = Path(__file__).resolve().parents[2]
 
 
 def run_squad_command(args: argparse.Namespace, mode: str, precision: str, batch: str, steps: int,
                       out_dir: Path) -> list[str]:
     """A run_squad.py training command line; ``batch`` may be the literal "{batch}"."""
-    cmd = [sys.executable, str(REPO / "run_squad.py"), "--do_train", "--train_file", args.train_file,
+    cmd = [sys.executable, "-m", "tempo.tasks.squad", "--do_train", "--train_file", args.train_file,
            "--config_file", args.config_file, "--vocab_file", args.vocab_file,
            "--max_seq_length", str(args.max_seq_length), "--doc_stride", str(args.doc_stride),
            "--train_batch_size", batch, "--max_steps", str(steps), "--learning_rate", "3e-5",
@@ -48,7 +49,7 @@ def run_squad_command(args: argparse.Namespace, mode: str, precision: str, batch
 
 
 def _summary_record(dllog_path: Path) -> dict[str, Any]:
-    from tempo.bert.dllog import read_dllog
+    from tempo.train.dllog import read_dllog
 
     merged: dict[str, Any] = {}
     for record in read_dllog(str(dllog_path)):
@@ -68,7 +69,7 @@ def measure(args: argparse.Namespace, run_dir: Path, mode: str, precision: str) 
         search += ["--timeout", str(args.probe_timeout)]
     print(f"== {tag}: searching the largest batch", flush=True)
     with open(run_dir / f"maxbatch_{tag}.log", "w") as log:
-        subprocess.run(search, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
+        subprocess.run(search, stdout=log, stderr=subprocess.STDOUT, check=False)
     result: dict[str, Any] = {"mode": mode, "precision": precision, "max_batch": 0,
                               "sequences_per_second": None, "error": None}
     try:
@@ -83,7 +84,7 @@ def measure(args: argparse.Namespace, run_dir: Path, mode: str, precision: str) 
         out = run_dir / f"run_{tag}"
         cmd = run_squad_command(args, mode, precision, str(result["max_batch"]), args.steps, out)
         with open(run_dir / f"run_{tag}.log", "w") as log:
-            status = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+            status = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
         summary = _summary_record(out / "dllogger.json") if (out / "dllogger.json").is_file() else {}
         result["sequences_per_second"] = summary.get("training_sequences_per_second")
         result["peak_memory_bytes"] = summary.get("peak_allocated_bytes", summary.get("peak_rss_bytes"))
@@ -136,11 +137,11 @@ def summarize(run_dir: str | os.PathLike, gpu: str = "") -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tempo.bert.squad_benchmark", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tempo.bench.squad_benchmark", description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", default="gpu", help="name of the results folder (2080ti, v100, a100, h100)")
     p.add_argument("--precisions", default="fp32,fp16", help="comma-separated: fp32, tf32, fp16, bf16")
     p.add_argument("--train_file", default=None, help="SQuAD train JSON (default: a generated QA set)")
-    p.add_argument("--config_file", default=str(REPO / "configs" / "bert_large.json"))
+    p.add_argument("--config_file", default=str(CONFIGS_DIR / "bert_large.json"))
     p.add_argument("--vocab_file", default=None, help="default: the installed MiniLM's (BERT uncased) vocab.txt")
     p.add_argument("--init_checkpoint", default=None, help="weights do not change memory or speed; optional")
     p.add_argument("--max_seq_length", type=int, default=384)
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start_batch", type=int, default=8)
     p.add_argument("--max_batch", type=int, default=1024)
     p.add_argument("--probe_timeout", type=float, default=900.0, help="seconds per probe")
-    p.add_argument("--results_root", default=str(REPO / "results" / "squad_benchmark"))
+    p.add_argument("--results_root", default=str(Path("results") / "squad_benchmark"))
     p.add_argument("--summarize", metavar="DIR", default=None, help="only print/save the table of DIR")
     return p
 

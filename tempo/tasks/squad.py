@@ -29,7 +29,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,15 +37,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tempo.bert.dllog import JsonLogger
-from tempo.bert.runtime import (
+from tempo.train.dllog import JsonLogger
+from tempo.train.flags import add_tempo_flags, add_training_flags, tempo_choice_from_args
+from tempo.train.optim import LinearWarmUpScheduler, bert_param_groups, make_optimizer
+from tempo.train.runtime import (
     Runtime,
     UsageError,
     autocast_context,
     check_output_dir,
     configure_matmul_precision,
-    make_grad_scaler,
-    no_sync_if,
+    mean_over_ranks,
     peak_memory_bytes,
     precision_from_flags,
     run_main,
@@ -54,11 +54,12 @@ from tempo.bert.runtime import (
     setup_runtime,
     synchronize,
     teardown_runtime,
+    wrap_ddp,
 )
-from tempo.bert.tempo_switch import add_tempo_flags, tempo_options_from_args
+from tempo.train.step import StepClock, TrainStep, default_excluded_steps
+from tempo.utils import atomic_path, atomic_write
 
 PROG = "run_squad.py"
-MAX_GRAD_NORM = 1.0  # DLE's FusedAdam clips at 1.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", type=int, default=-1, help="set by torch.distributed.launch; torchrun uses env")
     p.add_argument("--no_cuda", action="store_true", help="run on the CPU even when a GPU is present")
     p.add_argument("--num_workers", type=int, default=2, help="data-loader worker processes")
+    add_training_flags(p)
     add_tempo_flags(p)
     return p
 
@@ -116,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _resolve_init_checkpoint(path: str | None) -> str | None:
     """A run_pretraining.py output_dir means its newest checkpoint."""
     if path and os.path.isdir(os.path.join(path, "checkpoints")):
-        from tempo.bert.checkpointing import latest_checkpoint
+        from tempo.train.checkpointing import latest_checkpoint
 
         latest = latest_checkpoint(path)
         if latest is None:
@@ -187,16 +189,9 @@ def _check_model_fits(args: argparse.Namespace, config: Any, tokenizer: Any) -> 
 # ---------------------------------------------------------------------------------------------
 def _write_json(obj: Any, path: str | os.PathLike) -> None:
     """Atomic JSON write: a reader never sees half a predictions file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=2, ensure_ascii=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as fh:
+        json.dump(obj, fh, indent=2, ensure_ascii=False)
+        fh.write("\n")
 
 
 def _tensors(features: Any, names: tuple[str, ...]) -> torch.utils.data.TensorDataset:
@@ -210,9 +205,8 @@ def save_finetuned(model: torch.nn.Module, config: Any, vocab_file: str, output_
     out = save_hf_checkpoint(model, output_dir, config)
     target = out / "vocab.txt"
     if not (target.exists() and os.path.samefile(vocab_file, target)):
-        tmp = target.with_name(".vocab.txt.tmp")
-        shutil.copyfile(vocab_file, tmp)
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:
+            shutil.copyfile(vocab_file, tmp)
     return out
 
 
@@ -221,8 +215,6 @@ def save_finetuned(model: torch.nn.Module, config: Any, vocab_file: str, output_
 # ---------------------------------------------------------------------------------------------
 def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: Runtime, precision: str,
           logger: JsonLogger) -> dict[str, Any]:
-    from tempo.bert.optim import LinearWarmUpScheduler, bert_param_groups, make_optimizer
-
     micro_batch = args.train_batch_size // args.gradient_accumulation_steps
     dataset = _tensors(features, ("input_ids", "segment_ids", "input_mask", "start_positions", "end_positions"))
     if rt.distributed:
@@ -240,96 +232,65 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
                                bert_param_groups(model, weight_decay=0.01), lr=args.learning_rate)
     scheduler = LinearWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=total_steps,
                                       base_lr=args.learning_rate)
-    scaler = make_grad_scaler(precision, rt.device)
-    train_model = model
-    if rt.distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        train_model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    train_step = TrainStep(model, optimizer, squad_loss, precision, rt.device, scheduler=scheduler,
+                           max_grad_norm=args.max_grad_norm, train_model=wrap_ddp(model, rt),
+                           distributed=rt.distributed, measure_activations=False)
     seed_everything(args.seed + 1000 * rt.rank)  # dropout streams differ per rank
 
     if rt.is_main:
         print(f"{PROG}: training on {len(features)} windows, {total_steps} steps of {args.train_batch_size} "
               f"x {rt.world_size} sequences ({steps_per_epoch} steps per epoch)")
-    excluded = max(1, total_steps // 10) if total_steps > 1 else 0  # steps left out of the throughput
     progress = tqdm(total=total_steps, desc="fine-tuning", unit="step", dynamic_ncols=True,
                     disable=args.disable_progress_bar or not rt.is_main)
-    epoch = 0
-    data_iter = iter(loader)
+    micro_batches = _endless(loader, sampler if rt.distributed else None)
     loss_sum = torch.zeros((), device=rt.device)
     last_loss = float("nan")
-    sequences = timed_sequences = 0
-    timed_start = None
-    run_start = time.perf_counter()
+    sequences = 0
+    clock = StepClock(rt.device, default_excluded_steps(total_steps))
     model.train()
     for step in range(1, total_steps + 1):
-        step_loss = torch.zeros((), device=rt.device)
-        for micro in range(args.gradient_accumulation_steps):
-            try:
-                batch = next(data_iter)
-            except StopIteration:  # next epoch; DistributedSampler reshuffles by epoch
-                epoch += 1
-                if rt.distributed:
-                    sampler.set_epoch(epoch)
-                data_iter = iter(loader)
-                batch = next(data_iter)
-            input_ids, segment_ids, input_mask, start, end = (t.to(rt.device, non_blocking=True) for t in batch)
-            last_micro = micro == args.gradient_accumulation_steps - 1
-            with no_sync_if(train_model, rt.distributed and not last_micro):
-                with autocast_context(precision, rt.device):
-                    out = train_model(input_ids=input_ids.long(), token_type_ids=segment_ids.long(),
-                                      attention_mask=input_mask.long(), start_positions=start.long(),
-                                      end_positions=end.long())
-                    loss = out.loss / args.gradient_accumulation_steps  # mean over the whole step
-                (scaler.scale(loss) if scaler else loss).backward()
-            step_loss += loss.detach()
-            sequences += input_ids.shape[0] * rt.world_size
-        if scaler is not None:
-            scaler.unscale_(optimizer)  # clip the true gradient
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step used; the scheduler moves it on
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum += step_loss
-
-        if step == excluded:
-            synchronize(rt.device)
-            timed_start, timed_sequences = time.perf_counter(), sequences
+        clock.begin_step()
+        out = train_step([next(micro_batches) for _ in range(args.gradient_accumulation_steps)])
+        clock.end_step(out.samples * rt.world_size)
+        sequences += out.samples * rt.world_size
+        loss_sum += out.loss
         if step % args.log_freq == 0 or step == total_steps:
-            if rt.distributed:
-                torch.distributed.all_reduce(step_loss)
-                step_loss /= rt.world_size
-            last_loss = step_loss.item()  # a sync: only on log steps
+            last_loss = mean_over_ranks(out.loss, rt)  # a sync: only on log steps
             if rt.is_main:
-                logger.log(step, {"loss": last_loss, "learning_rate": lr})
-                progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
+                logger.log(step, {"loss": last_loss, "learning_rate": out.lr})
+                progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{out.lr:.2e}")
                 if args.disable_progress_bar:
-                    print(f"step {step}/{total_steps} | loss {last_loss:.4f} | lr {lr:.3e}")
+                    print(f"step {step}/{total_steps} | loss {last_loss:.4f} | lr {out.lr:.3e}")
         progress.update(1)
     progress.close()
-    synchronize(rt.device)
-    end_time = time.perf_counter()
-    if rt.distributed:
-        torch.distributed.all_reduce(loss_sum)
-        loss_sum /= rt.world_size
-    runtime = end_time - run_start
-    timed = sequences - timed_sequences
+    clock.stop()
     return {
-        "e2e_train_time": runtime,
-        "training_sequences_per_second": (timed / (end_time - timed_start)
-                                          if timed_start is not None and timed > 0 else float("nan")),
+        "e2e_train_time": clock.elapsed,
+        "training_sequences_per_second": clock.samples_per_second,
         "final_loss": last_loss,
-        "train_loss": loss_sum.item() / total_steps,
+        "train_loss": mean_over_ranks(loss_sum, rt) / total_steps,
         "train_steps": total_steps,
         "train_sequences": sequences,
         "epochs": sequences / (len(features) or 1),
-        "timed_steps": total_steps - excluded,
+        "timed_steps": clock.timed_steps,
+        "skipped_steps": train_step.skipped_steps,
     }
+
+
+def squad_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
+    input_ids, segment_ids, input_mask, start, end = batch
+    return model(input_ids=input_ids.long(), token_type_ids=segment_ids.long(), attention_mask=input_mask.long(),
+                 start_positions=start.long(), end_positions=end.long())
+
+
+def _endless(loader: torch.utils.data.DataLoader, sampler: Any) -> Any:
+    """Micro-batches epoch after epoch; a DistributedSampler reshuffles by epoch."""
+    epoch = 0
+    while True:
+        yield from loader
+        epoch += 1
+        if sampler is not None:
+            sampler.set_epoch(epoch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +323,7 @@ def predict_logits(args: argparse.Namespace, model: torch.nn.Module, features: A
 def write_predictions(args: argparse.Namespace, data: Any, features: Any, start_logits: np.ndarray,
                       end_logits: np.ndarray) -> tuple[dict[str, str], dict[str, float] | None]:
     """predictions.json, nbest_predictions.json (and null_odds.json for v2) in output_dir."""
-    from tempo.bert.squad_metrics import WindowLogits, extract_answers
+    from tempo.tasks.squad_metrics import WindowLogits, extract_answers
 
     windows_of: dict[int, list[WindowLogits]] = {}
     for i, example_index in enumerate(features.example_index.tolist()):
@@ -391,7 +352,7 @@ def write_predictions(args: argparse.Namespace, data: Any, features: Any, start_
 def score(args: argparse.Namespace, data: Any, predictions: dict[str, str],
           null_odds: dict[str, float] | None) -> dict[str, float]:
     """Official v1.1/v2.0 metrics, plus DLE's names for the headline pair (exact_match, F1)."""
-    from tempo.bert.squad_metrics import evaluate_v1, evaluate_v2
+    from tempo.tasks.squad_metrics import evaluate_v1, evaluate_v2
 
     if args.version_2_with_negative:
         metrics = evaluate_v2(data.dataset, predictions, null_odds)
@@ -415,7 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = WordPieceTokenizer(args.vocab_file, lower_case=args.do_lower_case)
     _check_model_fits(args, config, tokenizer)
     precision = precision_from_flags(args.fp16, args.bf16, args.tf32)
-    options = tempo_options_from_args(args)
+    options = tempo_choice_from_args(args)
     # Read both files first: a malformed predict file must fail before hours of training.
     train_data = read_squad(args.train_file, args.version_2_with_negative, for_training=True) if args.do_train else None
     predict_data = read_squad(args.predict_file, args.version_2_with_negative) if args.do_predict else None

@@ -26,15 +26,16 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import time
 import uuid
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from tempo.bert.hf_interop import CheckpointError
+from tempo.utils import git_commit, unwrap_model
 
 try:
     import numpy as np
@@ -67,25 +68,7 @@ _CKPT_NAME = re.compile(r"^ckpt_(\d+)$")
 _TMP_NAME = re.compile(r"^\.ckpt_\d+\.tmp-")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or unsafe to load."""
-
-
 # -- helpers ---------------------------------------------------------------
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP / DataParallel (``.module``) and torch.compile (``._orig_mod``) wrappers."""
-    parallel_wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while True:
-        if isinstance(model, parallel_wrappers):
-            model = model.module
-            continue
-        orig = getattr(model, "_orig_mod", None)
-        if isinstance(orig, nn.Module):
-            model = orig
-            continue
-        return model
 
 
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -191,23 +174,6 @@ def _fsync_path(path: Path) -> None:
             raise
     finally:
         os.close(fd)
-
-
-@lru_cache(maxsize=1)
-def _git_commit() -> str | None:
-    try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=2,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if result.returncode != 0:
-        return None
-    return result.stdout.strip() or None
 
 
 def _json_default(obj: Any) -> Any:
@@ -328,7 +294,7 @@ def save_checkpoint(
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
             "config": config,
             "options": options,
-            "git_commit": _git_commit(),
+            "git_commit": git_commit()["commit"],
             "torch_version": torch.__version__,
             "python_version": platform.python_version(),
             # Sizes let load_checkpoint tell a truncated file from a corrupt one.

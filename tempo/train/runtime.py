@@ -31,8 +31,8 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         ("tempo.bert.config", "ConfigError"),
         ("tempo.bert.data.tokenization", "DataError"),  # base of the data pipeline's errors
         ("tempo.bert.data.pretraining_dataset", "ShardError"),
-        ("tempo.bert.checkpointing", "CheckpointError"),
         ("tempo.bert.hf_interop", "CheckpointError"),
+        ("tempo.choices", "ChoiceError"),
         ("tempo.bert.data.squad", "SquadFormatError"),
     ):
         try:
@@ -104,9 +104,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-
-
 def precision_from_flags(fp16: bool, bf16: bool, tf32: bool = False) -> str:
     if fp16 and bf16:
         raise UsageError("--fp16/--amp and --bf16 are mutually exclusive")
@@ -176,3 +173,28 @@ def check_output_dir(path: str) -> None:
         os.remove(probe)
     except OSError as exc:
         raise UsageError(f"--output_dir {path!r} is not writable: {exc.strerror or exc}") from None
+
+
+def wrap_ddp(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """The module a training step runs: DDP around ``model`` when this is a distributed run."""
+    if not rt.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+
+
+def mean_over_ranks(value: torch.Tensor, rt: Runtime) -> float:
+    """The mean of a scalar tensor over all ranks, as a Python float (a host sync)."""
+    if rt.distributed:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= rt.world_size
+    return value.item()
+
+
+def format_rate(samples_per_second: float) -> str:
+    """'123.4 seq/s', or 'n/a seq/s (run too short to time)' for a NaN figure."""
+    if samples_per_second != samples_per_second:  # NaN: no timed step
+        return "n/a seq/s (run too short to time)"
+    return f"{samples_per_second:.1f} seq/s"

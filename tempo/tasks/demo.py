@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tempo.bert.dllog import read_dllog
+from tempo.bert.config import CONFIGS_DIR
+from tempo.train.dllog import read_dllog
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"original": ["--no-tempo", "--attention", "eager"], "tempo": ["--tempo", "--attention", "tempo"]}
 
 
@@ -66,7 +66,7 @@ def run_variant(name: str, work: Path, shard_dir: Path, config: Path, vocab: Pat
     log = out_dir / "dllogger.json"
     if log.exists():
         log.unlink()  # a fresh log per demo run; checkpoints of earlier runs are ignored below
-    cmd = [sys.executable, str(REPO_ROOT / "run_pretraining.py"),
+    cmd = [sys.executable, "-m", "tempo.tasks.pretrain",
            "--input_dir", str(shard_dir), "--config_file", str(config), "--vocab_file", str(vocab),
            "--output_dir", str(out_dir), "--json-summary", str(log),
            "--max_seq_length", str(args.seq_len), "--max_predictions_per_seq", str(max(2, args.seq_len * 15 // 100)),
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--documents", type=int, default=1500, help="documents in the generated corpus")
     parser.add_argument("--vocab_size", type=int, default=2048)
-    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "bert_tiny.json"))
+    parser.add_argument("--config", default=str(CONFIGS_DIR / "bert_tiny.json"))
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a smaller corpus for a smoke run")
     args = parser.parse_args(argv)

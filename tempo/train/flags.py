@@ -1,0 +1,109 @@
+"""The on/off switch for Tempo layers in the trainers, and the state the patch scripts flip.
+
+The original Tempo workflow copied a patched modeling.py over DLE's (``patch_tempo.sh``) and
+back (``unpatch_tempo.sh``). Here nothing is copied: the scripts write one word, "tempo" or
+"original", to a state file, and ``run_pretraining.py``/``run_squad.py`` read it to choose their
+default. ``--tempo``/``--no-tempo`` and ``--attention`` on the command line always win.
+
+State file: ``$TEMPO_PATCH_FILE`` if set, else ``.tempo_patch`` in the current working directory
+(where the scripts and the trainers are run from: the checkout for DLE-style use, any folder for an
+installed package, never inside the installed package); absent means "original", as an unpatched
+DLE checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from tempo.choices import ATTENTIONS, LAYER_KINDS, ChoiceError, TempoChoice
+from tempo.train.runtime import UsageError
+
+from tempo.utils import atomic_write_text
+
+STATES = ("tempo", "original")
+
+
+def patch_state_file() -> Path:
+    env = os.environ.get("TEMPO_PATCH_FILE")
+    if env:
+        return Path(env)
+    return Path.cwd() / ".tempo_patch"
+
+
+def patched_default() -> bool:
+    """True when the patch scripts switched Tempo on."""
+    path = patch_state_file()
+    try:
+        word = path.read_text().strip()
+    except FileNotFoundError:
+        return False
+    if word not in STATES:
+        raise UsageError(f"{path}: expected 'tempo' or 'original', found {word!r}; "
+                         f"rerun scripts/tempo/patch_tempo.sh or unpatch_tempo.sh")
+    return word == "tempo"
+
+
+def write_patch_state(state: str) -> Path:
+    if state not in STATES:
+        raise ValueError(f"state must be one of {STATES}, got {state!r}")
+    return atomic_write_text(patch_state_file(), state + "\n")
+
+
+def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | None = None) -> None:
+    """--tempo/--no-tempo, --tempo_layers, --attention: the same flags for the trainers and the bench.
+
+    ``default_enabled`` None means: as the patch scripts set it (the trainers); the benchmark
+    passes False so that a measurement never depends on a state file.
+    """
+    group = parser.add_argument_group("Tempo")
+    group.add_argument("--tempo", action=argparse.BooleanOptionalAction, default=default_enabled,
+                       help="use Tempo layers (default: as set by scripts/tempo/patch_tempo.sh, else off)"
+                       if default_enabled is None else "use Tempo layers")
+    group.add_argument("--tempo_layers", "--tempo-layers", dest="tempo_layers", type=str,
+                       default=",".join(LAYER_KINDS),
+                       help=f"comma-separated layer kinds Tempo replaces when on: {','.join(LAYER_KINDS)}")
+    group.add_argument("--attention", choices=ATTENTIONS, default=None,
+                       help="attention implementation (default: tempo with --tempo, else eager)")
+
+
+def _max_grad_norm(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def add_training_flags(parser: argparse.ArgumentParser, dashes: bool = False) -> None:
+    """Flags of the one training step (tempo/train/step.py) every trainer and the benchmark share."""
+    name = "--max-grad-norm" if dashes else "--max_grad_norm"
+    parser.add_argument(name, dest="max_grad_norm", type=_max_grad_norm, default=1.0,
+                        help="clip gradients to this global L2 norm (after fp16 unscaling; 0 = no clipping; "
+                             "LAMB applies it inside its step)")
+
+
+def tempo_choice_from_args(args: argparse.Namespace) -> TempoChoice:
+    enabled = patched_default() if args.tempo is None else args.tempo
+    try:
+        return TempoChoice.from_flags(enabled, args.tempo_layers, args.attention)
+    except ChoiceError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tempo.train.flags {patch,unpatch,check}`: what the shell scripts call."""
+    parser = argparse.ArgumentParser(prog="python -m tempo.train.flags")
+    parser.add_argument("action", choices=("patch", "unpatch", "check"))
+    args = parser.parse_args(argv)
+    if args.action == "check":
+        print("Tempo" if patched_default() else "Original")
+        return 0
+    path = write_patch_state("tempo" if args.action == "patch" else "original")
+    print(f"{'Tempo' if args.action == 'patch' else 'Original'} layers are now the default "
+          f"for run_pretraining.py and run_squad.py ({path})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""The largest batch that fits: doubling, then bisection, over any "does batch b fit?" probe.
+
+Used by the benchmark's ``max-batch`` command (one subprocess per probe) and by AutoTempo (a
+probe that trains a few steps in this process).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+class ProbeError(Exception):
+    """A probe failed for a reason other than memory: the search cannot go on."""
+
+    def __init__(self, batch: int, message: str):
+        super().__init__(f"batch {batch}: {message}")
+        self.batch = batch
+        self.message = message
+
+
+@dataclass
+class Probe:
+    batch: int
+    fits: bool
+    seconds: float
+
+
+class SearchError(Exception):
+    def __init__(self, cause: ProbeError, probes: list[Probe]):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.probes = probes
+
+
+def search_max_batch(probe: Callable[[int], bool], start: int = 1, max_batch: int | None = None) -> tuple[int, list[Probe]]:
+    """Largest b in [1, max_batch] with probe(b) True, assuming "fits" is monotone in b.
+
+    Returns (answer, probes in order); answer 0 means not even batch 1 fits. A ProbeError from
+    ``probe`` is re-raised as SearchError carrying the probes made so far.
+    """
+    if start < 1:
+        raise ValueError("start must be >= 1")
+    if max_batch is not None and max_batch < 1:
+        raise ValueError("max_batch must be >= 1")
+    probes: list[Probe] = []
+
+    def run(b: int) -> bool:
+        t0 = time.perf_counter()
+        try:
+            fits = bool(probe(b))
+        except ProbeError as exc:
+            raise SearchError(exc, probes) from exc
+        probes.append(Probe(b, fits, time.perf_counter() - t0))
+        return fits
+
+    fitted, failed = 0, None  # largest known fit, smallest known failure
+    b = min(start, max_batch) if max_batch is not None else start
+    while True:
+        if run(b):
+            fitted = b
+            if max_batch is not None and b >= max_batch:
+                break
+            b = b * 2 if max_batch is None else min(b * 2, max_batch)
+        else:
+            failed = b
+            break
+    if failed is not None:
+        while failed - fitted > 1:
+            mid = (fitted + failed) // 2
+            if run(mid):
+                fitted = mid
+            else:
+                failed = mid
+    return fitted, probes

@@ -1,0 +1,215 @@
+"""The one training step, and the clock around it.
+
+Pretraining, SQuAD fine-tuning, the training benchmark and AutoTempo's measurements all call
+``TrainStep``, so what the benchmark times is exactly what the trainers run:
+
+  micro-batches -> device -> autocast forward -> loss / accumulation steps -> backward
+  (DDP all-reduce on the last micro-batch only) -> unscale (fp16) -> clip -> optimizer step
+  -> scheduler step (only when the optimizer stepped) -> zero grads.
+
+Clipping policy (one for every caller): gradients are clipped to a global L2 norm of
+``max_grad_norm`` (the trainers' ``--max_grad_norm``, default 1.0 as DLE; 0 or None: no
+clipping), measured on the true (unscaled) gradients. LAMB clips inside its own step with the
+same norm (as apex's FusedLAMB does), so the step leaves it to LAMB instead of clipping twice.
+
+Skipped steps: fp16's GradScaler skips a step whose gradients overflowed (the scale then drops);
+LAMB skips a step whose gradient norm is not finite. Either way the scheduler does not advance
+(DLE's rule: the schedule follows the steps actually taken) and ``skipped_steps`` counts it.
+
+The first micro-batch of the first step runs under the activation ledger (saved-tensor hooks only,
+no change to the math): ``activation_bytes`` is what autograd kept for that micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from tempo.memory import ActivationLedger
+from tempo.train.runtime import autocast_context, make_grad_scaler, synchronize
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors of a batch (a tensor, dict, list or tuple of them) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = out.loss if hasattr(out, "loss") else out[0] if isinstance(out, (tuple, list)) else out
+    return loss if loss.dim() == 0 else loss.float().mean()
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return _batch_size(first)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor            # mean loss over the step's micro-batches, detached, on the device (no sync)
+    extras: dict[str, torch.Tensor]  # the same mean for each tracked output field (e.g. mlm_loss)
+    stepped: bool                 # False: the optimizer skipped this step (overflow / non-finite norm)
+    lr: float                     # the learning rate this step used
+    samples: int                  # sequences this process trained on in this step
+
+
+class TrainStep:
+    """Call with a sequence of micro-batches; returns a StepResult. See the module docstring.
+
+    ``loss_fn(model, batch)`` returns the loss (a scalar tensor) or a model output with ``.loss``;
+    ``track`` names further output fields whose step means are reported (e.g. ``("mlm_loss",)``).
+    ``train_model`` is the module to run (DDP-wrapped or compiled); ``model`` the plain one.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, precision: str,
+                 device: torch.device, scheduler: Any = None, max_grad_norm: Optional[float] = 1.0,
+                 train_model: Optional[nn.Module] = None, distributed: bool = False,
+                 measure_activations: bool = True, track: Sequence[str] = ()):
+        self.model = model
+        self.train_model = train_model if train_model is not None else model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.device = device
+        self.scheduler = scheduler
+        self.scaler = make_grad_scaler(precision, device)
+        self.distributed = distributed
+        self.track = tuple(track)
+        # LAMB (ours) clips the global norm inside its step; everything else is clipped here.
+        self.clip_in_optimizer = hasattr(optimizer, "max_grad_norm")
+        if self.clip_in_optimizer:
+            optimizer.max_grad_norm = max_grad_norm or None
+        self.max_grad_norm = max_grad_norm or None
+        self.activation_bytes: Optional[int] = None if measure_activations else -1
+        self.skipped_steps = 0
+        self.steps = 0
+
+    def _forward_backward(self, batch: Any, accumulation: int, last: bool, sums: dict[str, torch.Tensor]) -> None:
+        ledger = ActivationLedger(self.model) if self.activation_bytes is None else contextlib.nullcontext()
+        sync = contextlib.nullcontext()
+        if self.distributed and not last and hasattr(self.train_model, "no_sync"):
+            sync = self.train_model.no_sync()  # all-reduce once per step, after the last micro-batch
+        with sync:
+            with ledger, autocast_context(self.precision, self.device):
+                out = self.loss_fn(self.train_model, batch)
+                loss = _loss_of(out) / accumulation  # the step's loss is the mean over micro-batches
+            if self.activation_bytes is None:
+                self.activation_bytes = ledger.activation_bytes
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        sums["loss"] += loss.detach()
+        for name in self.track:
+            sums[name] += getattr(out, name).detach() / accumulation
+
+    def _optimizer_step(self) -> bool:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip (here or in LAMB) the true gradients
+        if self.max_grad_norm is not None and not self.clip_in_optimizer:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            return self.scaler.get_scale() >= scale_before  # the scale drops exactly on skipped steps
+        return self.optimizer.step() is not False  # LAMB returns False when it skipped the step
+
+    def __call__(self, micro_batches: Sequence[Any]) -> StepResult:
+        if not micro_batches:
+            raise ValueError("a training step needs at least one micro-batch")
+        sums = {name: torch.zeros((), device=self.device) for name in ("loss",) + self.track}
+        samples = 0
+        for i, batch in enumerate(micro_batches):
+            batch = to_device(batch, self.device)
+            samples += _batch_size(batch)
+            self._forward_backward(batch, len(micro_batches), i == len(micro_batches) - 1, sums)
+        stepped = self._optimizer_step()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used, for the log
+        if stepped and self.scheduler is not None:
+            self.scheduler.step()
+        if not stepped:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        loss = sums.pop("loss")
+        return StepResult(loss=loss, extras=sums, stepped=stepped, lr=lr, samples=samples)
+
+
+@dataclass
+class StepClock:
+    """Wall time of a run, with the first ``excluded`` steps (allocator and kernel warm-up) left out.
+
+    ``per_step=True`` synchronizes the device after every step so each step's time is its own (the
+    benchmark's p20/p50/p80); the trainers keep it off and synchronize only at the boundaries.
+    """
+
+    device: torch.device
+    excluded: int
+    per_step: bool = False
+    step_times: list[float] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+    timed_start: Optional[float] = None
+    timed_samples: int = 0
+    steps: int = 0
+    end: Optional[float] = None
+    _t0: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.excluded == 0:
+            synchronize(self.device)
+            self.timed_start = time.perf_counter()
+
+    def begin_step(self) -> None:
+        if self.per_step:
+            synchronize(self.device)
+        self._t0 = time.perf_counter()
+
+    def end_step(self, samples: int) -> None:
+        if self.per_step:
+            synchronize(self.device)
+        self.step_times.append(time.perf_counter() - self._t0)
+        self.steps += 1
+        if self.timed_start is not None:
+            self.timed_samples += samples
+        if self.steps == self.excluded:
+            synchronize(self.device)
+            self.timed_start = time.perf_counter()
+
+    def stop(self) -> None:
+        synchronize(self.device)
+        self.end = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return (self.end or time.perf_counter()) - self.start
+
+    @property
+    def timed_steps(self) -> int:
+        return max(0, self.steps - self.excluded)
+
+    @property
+    def samples_per_second(self) -> float:
+        """Samples/s over the timed steps; NaN when no step was timed (a run too short to time)."""
+        if self.timed_start is None or self.timed_samples == 0:
+            return float("nan")
+        end = self.end if self.end is not None else time.perf_counter()
+        return self.timed_samples / (end - self.timed_start) if end > self.timed_start else float("nan")
+
+
+def default_excluded_steps(steps: int) -> int:
+    """Warm-up steps left out of a throughput figure: 10% of the run, at least 1 (so a one-step run
+    has no timed step and reports its speed as n/a rather than a warm-up figure)."""
+    return max(1, steps // 10)

@@ -1,0 +1,114 @@
+"""Small helpers every stage uses, written once: atomic writes, byte sizes, the git commit, unwrapping.
+
+Nothing here imports another tempo module, so any stage may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import IO, Any, Iterator, Optional, Union
+
+from torch import nn
+
+
+# -- atomic writes: a reader (or a crash) never sees half a file ------------------------------------
+@contextlib.contextmanager
+def atomic_path(path: Union[str, os.PathLike]) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to (for libraries that write by name: h5py,
+    safetensors, np.savez); renamed onto ``path`` when the block succeeds, removed when it fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_write(path: Union[str, os.PathLike], mode: str = "w") -> Iterator[IO[Any]]:
+    """``open(path, mode)`` that lands atomically: text modes are UTF-8."""
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def atomic_write_text(path: Union[str, os.PathLike], text: str) -> Path:
+    with atomic_write(path) as fh:
+        fh.write(text)
+    return Path(path)
+
+
+# -- byte sizes ---------------------------------------------------------------------------------------
+_BYTE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6,
+               "GB": 10**9, "TB": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "B": 1}
+
+
+def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
+    """1.5e9, "512MiB", "2GB", "2G" -> bytes (K/M/G/T are binary, as KiB/MiB/GiB/TiB); None stays None."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    text = value.strip().upper().replace(" ", "")
+    try:
+        for suffix in sorted(_BYTE_UNITS, key=len, reverse=True):
+            if text.endswith(suffix):
+                number = float(text[: -len(suffix)])
+                break
+        else:
+            suffix, number = "B", float(text)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a byte size (e.g. 2GiB, 512MB, 1.5e9)") from None
+    if not number >= 0 or number == float("inf"):
+        raise ValueError(f"{value!r} is not a byte size (must be a finite, non-negative amount)")
+    return int(number * _BYTE_UNITS[suffix])
+
+
+def format_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+# -- provenance ---------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def git_commit() -> dict[str, Any]:
+    """{"commit": sha or None, "dirty": bool or None} of the checkout this package runs from."""
+    root = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10)
+        if commit.returncode != 0:
+            return {"commit": None, "dirty": None}
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit.stdout.strip() or None, "dirty": bool(dirty)}
+
+
+# -- models -------------------------------------------------------------------------------------------
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP / DataParallel (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    parallel_wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while True:
+        if isinstance(model, parallel_wrappers):
+            model = model.module
+            continue
+        orig = getattr(model, "_orig_mod", None)
+        if isinstance(orig, nn.Module):
+            model = orig
+            continue
+        return model
