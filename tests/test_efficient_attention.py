@@ -516,3 +516,32 @@ def test_cuda_fused_path(dtype, with_mask):
     ref = _reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), None if mask is None else mask.cpu())
     for name, a, r in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
         _close(a.cpu(), r, dtype, name)
+
+
+@cuda_only
+def test_cuda_fully_masked_rows_are_zero_not_nan():
+    b, h, s, d = 2, 2, 64, 64
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(b, h, s, s, d, torch.bfloat16))
+    mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda")
+    mask[1] = False  # the whole second sample is padding
+    out = efficient_attention(q, k, v, attn_mask=mask)
+    out.float().sum().backward()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert not t.isnan().any()
+    assert (out[1] == 0).all() and (q.grad[1] == 0).all()
+
+
+@cuda_only
+def test_cuda_fp64_falls_back_to_reference_and_logs_once(caplog):
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(1, 2, 9, 9, 8, torch.float64))
+    g = torch.randn(1, 2, 9, 8, dtype=torch.float64, device="cuda")
+    attn_mod._logged_fallbacks.clear()
+    with caplog.at_level(logging.WARNING, logger="tempo"):
+        out = efficient_attention(q, k, v)
+        efficient_attention(q, k, v)
+    messages = [r.getMessage() for r in caplog.records if r.name == "tempo"]
+    assert len(messages) == 1 and "torch.float64" in messages[0], messages
+    out.backward(g)
+    ref = _reference(q.cpu(), k.cpu(), v.cpu(), g.cpu())
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
+        _close(a.cpu(), r, torch.float64, name)

@@ -22,8 +22,10 @@ Paths
   * Reference (the CPU, backend "reference" anywhere, the CUDA fallback): a
     ``tempo::efficient_attention_fwd`` / ``_bwd`` custom-op pair that loops over tiles of
     ``BLOCK_Q`` query rows × ``BLOCK_K`` keys, batched over (batch, heads), with an online
-    softmax in fp32 (fp64 for fp64 inputs). It never holds more than one tile of scores; for
-    s <= 128 there is one tile.
+    softmax in fp32 (fp64 for fp64 inputs). It works on one tile of scores at a time (a few
+    tile-sized temporaries: scores/probabilities, the dropout tile, dP in backward), never on
+    s_q × s_k; for s <= 128 there is one tile. Its temporaries of size O(s·d) (fp32 copies of
+    low-precision q, k, v; the gradient accumulators) are freed when it returns.
 
 Semantics (those of ``torch.nn.functional.scaled_dot_product_attention``)
   * ``q`` (b, h, s_q, d), ``k`` (b, h, s_k, d), ``v`` (b, h, s_k, d_v); same dtype and device.
