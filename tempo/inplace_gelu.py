@@ -1,4 +1,4 @@
-"""Tempo's original import path for the In-place GELU layer."""
+"""Tempo's original import path for the In-place GELU layer (exact and tanh forms)."""
 
 from tempo.ops.gelu import InplaceGelu, gelu_derivative_from_output, inplace_gelu
 
