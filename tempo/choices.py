@@ -16,7 +16,7 @@ LAYER_KINDS = ("gelu", "layernorm", "attention")
 # Implementations of the attention core (softmax -> dropout -> matmul with v):
 #   eager: PyTorch ops as written (keeps the s x s probabilities, mask and dropout output);
 #   sdpa: torch's scaled_dot_product_attention; tempo: the paper's Combined layer.
-ATTENTIONS = ("eager", "sdpa", "tempo")
+ATTENTIONS = ("eager", "tempo", "sdpa")
 # The attention implementations that are Tempo layers (count as the "attention" kind).
 TEMPO_ATTENTIONS = ("tempo",)
 # What --attention means when Tempo attention is on and no implementation is named.
