@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tempo.ops._backend import TRITON_AVAILABLE, triton_interpreting  # noqa: E402
+from tempo.ops._backend import TRITON_AVAILABLE, TRITON_IMPORT_ERROR, triton_interpreting  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -29,11 +29,30 @@ def device(request):
     return request.param
 
 
+def triton_blocker(device: str):
+    """Why the Triton case cannot run on ``device`` here: ("fail" | "skip", reason), or None.
+
+    A Triton that is missing or fails to import, or a CPU-only machine without the interpreter,
+    is a broken setup and fails the Triton cases (CI must not go green by skipping them). The
+    one legitimate skip: the CPU copies on a CUDA machine, where the kernels are tested on CUDA.
+    """
+    if TRITON_IMPORT_ERROR is not None:
+        return "fail", f"Triton cannot be imported: {TRITON_IMPORT_ERROR!r}"
+    if device == "cuda" or triton_interpreting():
+        return None
+    if torch.cuda.is_available():
+        return "skip", "the Triton kernels are tested on CUDA here (TRITON_INTERPRET is off)"
+    return "fail", "no CUDA and TRITON_INTERPRET is not 1: the Triton kernels could not run anywhere"
+
+
 @pytest.fixture(params=["reference", "triton"])
 def backend(request, device):
-    """Run a test once per implementation; the Triton one is skipped where it cannot run."""
-    if request.param == "triton" and not triton_runs_on(device):
-        pytest.skip(f"Triton cannot run on {device} here")
+    """Run a test once per implementation; the Triton case fails where Triton should run but cannot."""
+    if request.param == "triton":
+        blocked = triton_blocker(device)
+        if blocked is not None:
+            action, reason = blocked
+            (pytest.fail if action == "fail" else pytest.skip)(f"Triton case on {device}: {reason}")
     from tempo.ops._backend import use_backend
 
     with use_backend(request.param):

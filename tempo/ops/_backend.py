@@ -13,9 +13,10 @@ environment variable ("auto", "triton", "reference"), then "auto".
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -24,18 +25,33 @@ BACKENDS = ("auto", "triton", "reference")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _local = threading.local()
+logger = logging.getLogger("tempo")
 
 
-def _triton_importable() -> bool:
+def _import_triton() -> Optional[BaseException]:
+    """None if triton imports, else the exception (ImportError, or a broken install raising)."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install raising at import
-        return False
-    return True
+    except Exception as err:  # noqa: BLE001 - any failure means the kernels cannot run
+        return err
+    return None
 
 
-TRITON_AVAILABLE = _triton_importable()
+TRITON_IMPORT_ERROR: Optional[BaseException] = _import_triton()
+TRITON_AVAILABLE = TRITON_IMPORT_ERROR is None
+if TRITON_IMPORT_ERROR is not None:
+    # Not installed at all is a supported CPU-only setup; an install that is there but fails to
+    # import is not, and would otherwise quietly put every op on the reference path.
+    _absent = isinstance(TRITON_IMPORT_ERROR, ModuleNotFoundError) and TRITON_IMPORT_ERROR.name == "triton"
+    logger.log(logging.INFO if _absent else logging.WARNING,
+               "Triton cannot be imported (%r): Tempo ops run on the PyTorch reference path only",
+               TRITON_IMPORT_ERROR)
+
+
+def triton_import_error() -> Optional[BaseException]:
+    """The exception importing Triton raised, or None when it imports."""
+    return TRITON_IMPORT_ERROR
 
 
 def triton_interpreting() -> bool:
@@ -88,16 +104,25 @@ def resolve_backend(t: torch.Tensor, op: str) -> str:
         # fp64 stays on the reference path: the kernels compute in fp32.
         return "triton" if (t.is_cuda and TRITON_AVAILABLE and t.dtype in TRITON_DTYPES) else "reference"
     if not triton_usable_for(t):
-        raise RuntimeError(
-            f"{op}: backend 'triton' was requested but cannot run on device {t.device} "
-            f"(triton installed: {TRITON_AVAILABLE}; on CPU set TRITON_INTERPRET=1 before importing)"
-        )
+        why = (f"triton cannot be imported: {TRITON_IMPORT_ERROR!r}" if TRITON_IMPORT_ERROR is not None
+               else "on CPU set TRITON_INTERPRET=1 before importing triton")
+        raise RuntimeError(f"{op}: backend 'triton' was requested but cannot run on device {t.device} ({why})")
     if t.dtype not in TRITON_DTYPES:
         raise TypeError(
             f"{op}: the Triton kernels support float32, float16 and bfloat16, got {t.dtype}; "
             f"use backend 'reference' for other dtypes"
         )
     return "triton"
+
+
+_logged_once: set[str] = set()
+
+
+def log_fallback_once(key: str, message: str) -> None:
+    """Log a fallback to the reference path once per process (logger "tempo", warning level)."""
+    if key not in _logged_once:
+        _logged_once.add(key)
+        logger.warning(message)
 
 
 def check_float_tensor(t: object, arg: str, op: str) -> torch.Tensor:
