@@ -1,13 +1,17 @@
 """In-place LayerNorm: values and every gradient against an fp64 reference, what it keeps for
 backward (the ledger), autocast dtypes, γ near zero, nn.LayerNorm interop, compile/opcheck."""
 
+import logging
 import math
+import threading
 
 import pytest
 import torch
+from conftest import triton_blocker
 from torch import nn
 
 from tempo.memory import ActivationLedger
+from tempo.ops import _backend
 from tempo.ops._backend import use_backend
 from tempo.ops.layernorm import InplaceLayerNorm, inplace_layernorm, xhat_bound
 
@@ -189,17 +193,117 @@ def test_fp64_gradcheck_reference(device):
         assert torch.autograd.gradcheck(lambda a, w, b: inplace_layernorm(a, 5, w, b), (x, weight, bias))
 
 
-def test_rows_too_long_for_one_block_use_reference_path(backend, device):
+def test_rows_too_long_for_one_block_use_reference_path(backend, device, caplog, monkeypatch):
     from tempo.ops.layernorm import MAX_TRITON_N
 
+    monkeypatch.setattr(_backend, "_logged_once", set())
     n = MAX_TRITON_N + 3
     x = torch.randn(2, n, device=device, requires_grad=True)
     grad = torch.randn(2, n, device=device)
-    y = inplace_layernorm(x, n)
-    y.backward(grad.clone())
+    with caplog.at_level(logging.WARNING, logger="tempo"):
+        y = inplace_layernorm(x, n)
+        y.backward(grad.clone())
+        inplace_layernorm(x, n)
     ref_y, ref_dx, _, _ = reference_fp64(x, (n,), None, None, 1e-5, grad)
     assert_close(y, ref_y, torch.float32, "y")
     assert_close(x.grad, ref_dx, torch.float32, "dx")
+    # The fallback is not silent: logged once per process when Triton was asked for.
+    fallbacks = [r for r in caplog.records if r.name == "tempo" and "reference path" in r.getMessage()]
+    assert len(fallbacks) == (1 if backend == "triton" else 0)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_wide_rows_two_kernel_backward(backend, device, affine):
+    """Rows wider than BWD_BLOCK_MAX: row sums, then column chunks (the one-block kernel spills)."""
+    from tempo.ops.layernorm import BWD_BLOCK_MAX
+
+    n, rows = BWD_BLOCK_MAX + 904, 7  # 2 column chunks, the second partial; 4 programs of 2 rows
+    module = InplaceLayerNorm(n, elementwise_affine=affine, device=device)
+    if affine:
+        weight, bias = make_params((n,), device)
+        with torch.no_grad():
+            module.weight.copy_(weight)
+            module.bias.copy_(bias)
+    x = (2 * torch.randn(rows, n, device=device) - 1).requires_grad_()
+    grad = torch.randn(rows, n, device=device)
+    y = run_module(module, x, grad)
+    ref_y, ref_dx, ref_dw, ref_db = reference_fp64(x, (n,), module.weight, module.bias, 1e-5, grad)
+    assert_close(y, ref_y, torch.float32, "y")
+    assert_close(x.grad, ref_dx, torch.float32, "dx")
+    if affine:
+        assert_close(module.weight.grad, ref_dw, torch.float32, "dweight")
+        assert_close(module.bias.grad, ref_db, torch.float32, "dbias")
+
+
+def test_backward_plan_fills_the_gpu():
+    """Several programs per SM (one per SM was latency-bound), each over a run of rows."""
+    pytest.importorskip("triton")
+    from tempo.ops.layernorm import _backward_plan
+
+    sms = 132  # H100 SXM
+    # BERT-large: 32 x 512 tokens of 1024 features: up to 8 programs per SM (1056), 16 rows each
+    # (1024 programs: none is left without rows).
+    assert _backward_plan(16384, 1024, sms) == (False, 1024, 16, 1)
+    assert _backward_plan(16384, 4096, sms) == (False, 261, 63, 1)  # 2 per SM fit at 4096
+    # The 16384-wide row: 4 column chunks x 261 row runs.
+    assert _backward_plan(16384, 16384, sms) == (True, 261, 63, 4)
+    # Few rows: one per program; the interpreter runs at most 4 programs.
+    assert _backward_plan(10, 1024, sms) == (False, 10, 1, 1)
+    assert _backward_plan(7, 1024, None) == (False, 4, 2, 1)
+    assert _backward_plan(7, 1023, None)[2] * 4 >= 7
+
+
+@pytest.mark.parametrize("forward_backend", ["triton", "reference"])
+def test_backward_in_another_thread_uses_the_forward_backend(device, forward_backend, monkeypatch):
+    """use_backend() is thread-local, and CUDA runs backward on autograd's device thread: the
+    backward must take the forward's path (recorded in the ctx), not resolve it again there."""
+    blocked = triton_blocker(device)
+    if blocked is not None:
+        (pytest.fail if blocked[0] == "fail" else pytest.skip)(blocked[1])
+    from tempo.ops import layernorm
+
+    calls = []
+    for path in ("triton", "reference"):
+        name = f"_layernorm_bwd_{path}"
+        original = getattr(layernorm, name)
+        monkeypatch.setattr(layernorm, name, lambda *a, _f=original, _p=path: calls.append(_p) or _f(*a))
+    # In the backward's thread no use_backend() is active, so TEMPO_BACKEND would decide there:
+    # make it the other backend.
+    monkeypatch.setenv("TEMPO_BACKEND", "reference" if forward_backend == "triton" else "triton")
+    module = InplaceLayerNorm(6, device=device)
+    with torch.no_grad():
+        module.weight.copy_(make_params((6,), device)[0])
+    x = torch.randn(5, 6, device=device, requires_grad=True)
+    grad = torch.randn(5, 6, device=device)
+    with use_backend(forward_backend):
+        y = module(x)
+    errors = []
+
+    def backward():
+        try:
+            y.backward(grad.clone())
+        except BaseException as err:  # re-raised in the test's thread below
+            errors.append(err)
+
+    worker = threading.Thread(target=backward)
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    assert calls == [forward_backend]
+    _, ref_dx, ref_dw, _ = reference_fp64(x, (6,), module.weight, module.bias, 1e-5, grad)
+    assert_close(x.grad, ref_dx, torch.float32, "dx")
+    assert_close(module.weight.grad, ref_dw, torch.float32, "dweight")
+
+
+@pytest.mark.parametrize("x_shape,normalized_shape", [((2, 3, 8), (8,)), ((4, 3, 5), (3, 5)), ((6,), (6,))])
+def test_output_is_not_a_view(backend, device, x_shape, normalized_shape):
+    # y is allocated in x's shape, not a 2-D buffer viewed back (FSDP2 warns about view outputs).
+    x = torch.randn(x_shape, device=device, requires_grad=True)
+    weight = torch.rand(normalized_shape, device=device, requires_grad=True)
+    y = inplace_layernorm(x, normalized_shape, weight)
+    assert y.shape == x.shape and y._base is None and not y._is_view()
+    y.sum().backward()
+    assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +406,7 @@ def test_ledger_autocast_keeps_only_output_and_rstd(backend, device):
     y_bytes, rstd_bytes = rows * hidden * 2, rows * 4
     norm_records = [r for r in tempo.records if r.module == "0" and not r.is_parameter]
     assert [(r.shape, r.dtype, r.nbytes) for r in norm_records] == [
-        ((rows, hidden), torch.bfloat16, y_bytes), ((rows,), torch.float32, rstd_bytes)]
+        ((2, 3, hidden), torch.bfloat16, y_bytes), ((rows,), torch.float32, rstd_bytes)]
     linear_records = [r for r in tempo.records if r.module == "1" and not r.is_parameter]
     assert [(r.dtype, r.nbytes) for r in linear_records] == [(torch.bfloat16, bf16_linear_weight)]
     assert tempo.activation_bytes == y_bytes + rstd_bytes + bf16_linear_weight == 8984
@@ -389,13 +493,16 @@ def test_opcheck(backend, device, with_affine):
     x = torch.randn(3, 8, device=device, requires_grad=True)
     weight = (torch.rand(8, device=device) + 0.5).requires_grad_() if with_affine else None
     bias = torch.randn(8, device=device, requires_grad=True) if with_affine else None
-    torch.library.opcheck(torch.ops.tempo.layernorm_fwd.default, (x, weight, bias, 1e-5, torch.float32))
+    torch.library.opcheck(torch.ops.tempo.layernorm_fwd.default, (x, 1, weight, bias, 1e-5, torch.float32, backend))
+    x3 = torch.randn(2, 3, 4, device=device, requires_grad=True)  # normalized over the last 2 dims
+    flat_w = (torch.rand(12, device=device) + 0.5).requires_grad_() if with_affine else None
+    torch.library.opcheck(torch.ops.tempo.layernorm_fwd.default, (x3, 2, flat_w, None, 1e-5, torch.float32, backend))
     # The backward op runs inside backward only (no double backward): no input requires grad.
     detached = [t.detach() if t is not None else None for t in (weight, bias)]
     y = torch.randn(3, 8, device=device)
     rstd = torch.rand(3, device=device) + 0.5
     torch.library.opcheck(torch.ops.tempo.layernorm_bwd.default,
-                          (torch.randn(3, 8, device=device), y, rstd, *detached, torch.float32))
+                          (torch.randn(3, 8, device=device), y, rstd, 1, *detached, torch.float32, backend))
 
 
 # ---------------------------------------------------------------------------------------------

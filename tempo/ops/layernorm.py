@@ -23,7 +23,13 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from tempo.ops._backend import autocast_dtype_for, check_float_tensor, resolve_backend
+from tempo.ops._backend import (
+    TRITON_DTYPES,
+    autocast_dtype_for,
+    check_float_tensor,
+    log_fallback_once,
+    resolve_backend,
+)
 
 try:  # CPU-only machines may lack triton: the reference path still works there
     import triton
@@ -37,8 +43,8 @@ OP_NAME = "inplace_layernorm"
 # |γ_j| >= τ = max(GAMMA_REL_FLOOR · max_k |γ_k|, GAMMA_ABS_FLOOR).
 GAMMA_REL_FLOOR = 1e-6
 GAMMA_ABS_FLOOR = 1e-12
-# Rows longer than this do not fit one Triton block; they run on the reference path, which keeps
-# exactly the same tensors for backward.
+# Rows longer than this do not fit one Triton block in the forward; they run on the reference
+# path (logged once), which keeps exactly the same tensors for backward.
 MAX_TRITON_N = 16384
 # dtypes autocast would have cast to its lower-precision type (fp64 is left alone by autocast).
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -83,8 +89,9 @@ if triton is not None:
         dy_row_stride, y_row_stride, dx_row_stride, M, N, rows_per_program, xhat_max,
         HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        # Each program walks a contiguous run of rows, writes their dx, and accumulates its own
-        # partial dγ/dβ in fp32 registers; the host sums the partials (no atomics: deterministic).
+        # Rows of up to BWD_BLOCK_MAX features: a row fits in registers. Each program walks a
+        # contiguous run of rows, writes their dx, and accumulates its own partial dγ/dβ in fp32
+        # registers; the host sums the partials (no atomics: deterministic).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         in_row = cols < N
@@ -127,10 +134,92 @@ if triton is not None:
         if HAS_BIAS:
             tl.store(DB_PARTIAL + pid * N + cols, db_acc, mask=in_row)
 
+    @triton.jit
+    def _layernorm_bwd_row_sums_kernel(
+        DY, Y, W, B, SUMS, dy_row_stride, y_row_stride, N,
+        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr,
+    ):
+        # Wide rows, step 1: per row Σ g·γ and Σ g·(y − β) (= Σ g·γ·x̂), the two reductions dx
+        # needs, walking the row in chunks so nothing row-sized sits in registers.
+        row = tl.program_id(0).to(tl.int64)
+        acc_dy_w = tl.zeros([CHUNK], dtype=tl.float32)
+        acc_dy_scaled = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, N, CHUNK):
+            cols = start + tl.arange(0, CHUNK)
+            live = cols < N
+            dy = tl.load(DY + row * dy_row_stride + cols, mask=live, other=0.0).to(tl.float32)
+            y = tl.load(Y + row * y_row_stride + cols, mask=live, other=0.0).to(tl.float32)
+            scaled_xhat = y
+            if HAS_BIAS:
+                scaled_xhat = tl.where(live, y - tl.load(B + cols, mask=live, other=0.0).to(tl.float32), 0.0)
+            if HAS_WEIGHT:
+                acc_dy_w += dy * tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
+            else:
+                acc_dy_w += dy
+            acc_dy_scaled += dy * scaled_xhat
+        tl.store(SUMS + row * 2, tl.sum(acc_dy_w, axis=0))
+        tl.store(SUMS + row * 2 + 1, tl.sum(acc_dy_scaled, axis=0))
+
+    @triton.jit
+    def _layernorm_bwd_wide_kernel(
+        DY, Y, W, B, INV_W, RSTD, SUMS, DX, DW_PARTIAL, DB_PARTIAL,
+        dy_row_stride, y_row_stride, dx_row_stride, M, N, rows_per_program, xhat_max,
+        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr,
+    ):
+        # Wide rows, step 2: program (p, c) owns columns [c·CHUNK, (c+1)·CHUNK) of a run of rows:
+        # dx for them from the row sums of step 1, and that chunk of its partial dγ/dβ, kept in
+        # registers only CHUNK wide (a whole 16384-wide row of accumulators spills).
+        pid = tl.program_id(0)
+        cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+        in_row = cols < N
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
+            inv_w = tl.load(INV_W + cols, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([CHUNK], dtype=tl.float32)
+        db_acc = tl.zeros([CHUNK], dtype=tl.float32)
+        first_row = pid.to(tl.int64) * rows_per_program
+        for i in range(0, rows_per_program):
+            row = first_row + i
+            live = cols < tl.where(row < M, N, 0)
+            dy = tl.load(DY + row * dy_row_stride + cols, mask=live, other=0.0).to(tl.float32)
+            y = tl.load(Y + row * y_row_stride + cols, mask=live, other=0.0).to(tl.float32)
+            safe_row = tl.minimum(row, M - 1)
+            rstd = tl.load(RSTD + safe_row)
+            mean_dy_w = tl.load(SUMS + safe_row * 2) / N
+            mean_dy_scaled = tl.load(SUMS + safe_row * 2 + 1) / N
+            scaled_xhat = y
+            if HAS_BIAS:
+                scaled_xhat = tl.where(live, y - b, 0.0)
+            if HAS_WEIGHT:
+                xhat = scaled_xhat * inv_w
+                dy_w = dy * w
+            else:
+                xhat = scaled_xhat
+                dy_w = dy
+            xhat = tl.minimum(tl.maximum(xhat, -xhat_max), xhat_max)
+            dx = rstd * (dy_w - mean_dy_w - xhat * mean_dy_scaled)
+            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=live)
+            dw_acc += dy * xhat
+            db_acc += dy
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + pid * N + cols, dw_acc, mask=in_row)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * N + cols, db_acc, mask=in_row)
+
 
 # ----------------------------------------------------------------------------------------------
-# Host launchers (x, y, grad_y are 2-D [rows, N] with unit column stride)
+# Host launchers (x, y, grad_y are [..., N] contiguous: rows of N with row stride N)
 # ----------------------------------------------------------------------------------------------
+# The one-block backward keeps ~7 row-sized fp32 arrays in registers: at 8192 features that
+# spills (measured with `python -m tempo.ops.compile_check`), so wider rows take the two-kernel
+# path, CHUNK columns at a time.
+BWD_BLOCK_MAX = 4096
+_WIDE_CHUNK = 4096
+_WIDE_WARPS = 8
+
+
 def _num_warps(block_n: int) -> int:
     if block_n >= 8192:
         return 16
@@ -144,50 +233,80 @@ def _rstd_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if x_dtype == torch.float64 else torch.float32
 
 
-def _layernorm_fwd_triton(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+def _layernorm_fwd_triton(x: Tensor, n: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                           out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    rows, n = x.shape
-    y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    rows = x.numel() // n
+    # y has x's shape (not a 2-D buffer viewed back): the kernel just writes rows of n.
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     block_n = triton.next_power_of_2(n)
     dummy = rstd  # stands in for absent weight/bias pointers; never read (constexpr flags)
     _layernorm_fwd_kernel[(rows,)](
         x, y, weight if weight is not None else dummy, bias if bias is not None else dummy, rstd,
-        x.stride(0), y.stride(0), n, eps,
+        n, n, n, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         num_warps=_num_warps(block_n),
     )
     return y, rstd
 
 
-def _backward_programs(rows: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return max(1, min(rows, torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(rows, 4))  # the interpreter runs programs one after another
+def _backward_plan(rows: int, n: int, sms: Optional[int]) -> tuple[bool, int, int, int]:
+    """(wide, programs, rows_per_program, column chunks) of the backward for ``sms`` SMs.
+
+    Several programs per SM, not one: one program per SM looping over rows/SMs rows left the
+    GPU latency-bound, since a single resident program cannot hide its load latency. Narrow rows
+    get up to 8 programs per SM (4 warps each); wider rows hold more registers per program, so
+    fewer fit (4096 features: 2). Wide rows run CHUNK-column programs, ~8 per SM counting the
+    chunks. Each program still takes several rows at real sizes, so the partial dγ/dβ
+    (programs × N fp32 each, summed after) stay small next to dx. ``sms`` None: the
+    interpreter, which runs programs one after another, gets at most 4.
+    """
+    block_n = triton.next_power_of_2(n)
+    wide = block_n > BWD_BLOCK_MAX
+    chunks = triton.cdiv(n, _WIDE_CHUNK) if wide else 1
+    if sms is None:
+        programs = min(rows, 4)
+    else:
+        per_sm = max(1, 8 // chunks) if wide else max(2, min(8, 8192 // block_n))
+        programs = min(rows, per_sm * sms)
+    programs = max(1, programs)
+    rows_per_program = triton.cdiv(rows, programs)
+    programs = triton.cdiv(rows, rows_per_program)  # no program left without rows
+    return wide, programs, rows_per_program, chunks
 
 
 def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, weight: Optional[Tensor],
                           bias: Optional[Tensor], x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    rows, n = y.shape
-    dx = torch.empty((rows, n), dtype=x_dtype, device=y.device)
+    rows = rstd.numel()
+    n = y.numel() // rows
+    dx = torch.empty(y.shape, dtype=x_dtype, device=y.device)
     block_n = triton.next_power_of_2(n)
-    programs = _backward_programs(rows, y.device)
-    rows_per_program = triton.cdiv(rows, programs)
-    programs = triton.cdiv(rows, rows_per_program)
+    sms = torch.cuda.get_device_properties(y.device).multi_processor_count if y.is_cuda else None
+    wide, programs, rows_per_program, chunks = _backward_plan(rows, n, sms)
     partial_shape = (programs, n)
     dw_partial = torch.empty(partial_shape, dtype=torch.float32, device=y.device) if weight is not None else None
     db_partial = torch.empty(partial_shape, dtype=torch.float32, device=y.device) if bias is not None else None
     inv_w = _safe_inverse_gamma(weight.float()) if weight is not None else None
     dummy = rstd
-    _layernorm_bwd_kernel[(programs,)](
-        grad_y, y,
-        weight if weight is not None else dummy, bias if bias is not None else dummy,
-        inv_w if inv_w is not None else dummy, rstd, dx,
-        dw_partial if dw_partial is not None else dummy, db_partial if db_partial is not None else dummy,
-        grad_y.stride(0), y.stride(0), dx.stride(0), rows, n, rows_per_program, xhat_bound(n),
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        num_warps=_num_warps(block_n),
-    )
+    w_arg, b_arg = (weight if weight is not None else dummy), (bias if bias is not None else dummy)
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    tail = (dw_partial if dw_partial is not None else dummy, db_partial if db_partial is not None else dummy,
+            n, n, n, rows, n, rows_per_program, xhat_bound(n))
+    if not wide:
+        _layernorm_bwd_kernel[(programs,)](
+            grad_y, y, w_arg, b_arg, inv_w if inv_w is not None else dummy, rstd, dx, *tail,
+            **flags, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        )
+    else:
+        sums = torch.empty((rows, 2), dtype=torch.float32, device=y.device)
+        _layernorm_bwd_row_sums_kernel[(rows,)](
+            grad_y, y, w_arg, b_arg, sums, n, n, n, **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
+        )
+        _layernorm_bwd_wide_kernel[(programs, chunks)](
+            grad_y, y, w_arg, b_arg, inv_w if inv_w is not None else dummy, rstd, sums, dx, *tail,
+            **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
+        )
+    # torch's sum over dim 0 is deterministic (no atomics), so dγ/dβ are bit-reproducible.
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else _empty_param_grad(None, y)
     db = db_partial.sum(0).to(bias.dtype) if bias is not None else _empty_param_grad(None, y)
     return dx, dw, db
@@ -213,77 +332,101 @@ def _empty_param_grad(param: Optional[Tensor], like: Tensor) -> Tensor:
     return torch.empty((0,), dtype=param.dtype if param is not None else torch.float32, device=like.device)
 
 
-def _layernorm_fwd_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+def _layernorm_fwd_reference(x: Tensor, ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                              out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    # Reduces over the trailing ``ndim`` dims of x as it is, so y comes out in x's shape without
+    # a view of some 2-D buffer.
     compute = _rstd_dtype(x.dtype)
+    dims = tuple(range(x.dim() - ndim, x.dim()))
+    shape = x.shape[x.dim() - ndim:]
     xc = x.to(compute)
-    centered = xc - xc.mean(dim=-1, keepdim=True)
-    rstd = torch.rsqrt((centered * centered).mean(dim=-1, keepdim=True) + eps)
+    centered = xc - xc.mean(dim=dims, keepdim=True)
+    rstd = torch.rsqrt((centered * centered).mean(dim=dims, keepdim=True) + eps)
     y = centered * rstd
     if weight is not None:
-        y = y * weight.to(compute)
+        y = y * weight.to(compute).view(shape)
     if bias is not None:
-        y = y + bias.to(compute)
-    return y.to(out_dtype), rstd.squeeze(-1)
+        y = y + bias.to(compute).view(shape)
+    return y.to(out_dtype), rstd.reshape(-1)
 
 
-def _layernorm_bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, weight: Optional[Tensor],
+def _layernorm_bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, ndim: int, weight: Optional[Tensor],
                              bias: Optional[Tensor], x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     compute = rstd.dtype  # fp32, or fp64 for fp64 inputs
-    n = y.shape[-1]
+    dims = tuple(range(y.dim() - ndim, y.dim()))
+    shape = y.shape[y.dim() - ndim:]
+    n = math.prod(shape)
     g = grad_y.to(compute)
     scaled_xhat = y.to(compute)  # γ·x̂
     if bias is not None:
-        scaled_xhat = scaled_xhat - bias.to(compute)
+        scaled_xhat = scaled_xhat - bias.to(compute).view(shape)
     if weight is not None:
-        w = weight.to(compute)
+        w = weight.to(compute).view(shape)
         xhat = scaled_xhat * _safe_inverse_gamma(w)
         g_w = g * w
     else:
         xhat = scaled_xhat
         g_w = g
     xhat = xhat.clamp(-xhat_bound(n), xhat_bound(n))
-    mean_g_w = g_w.mean(dim=-1, keepdim=True)
-    mean_g_scaled = (g * scaled_xhat).mean(dim=-1, keepdim=True)
-    dx = rstd.unsqueeze(-1) * (g_w - mean_g_w - xhat * mean_g_scaled)
-    dw = (g * xhat).sum(0).to(weight.dtype) if weight is not None else _empty_param_grad(None, y)
-    db = g.sum(0).to(bias.dtype) if bias is not None else _empty_param_grad(None, y)
+    mean_g_w = g_w.mean(dim=dims, keepdim=True)
+    mean_g_scaled = (g * scaled_xhat).mean(dim=dims, keepdim=True)
+    dx = rstd.view(y.shape[: y.dim() - ndim] + (1,) * ndim) * (g_w - mean_g_w - xhat * mean_g_scaled)
+    dw = (g * xhat).reshape(-1, n).sum(0).to(weight.dtype) if weight is not None else _empty_param_grad(None, y)
+    db = g.reshape(-1, n).sum(0).to(bias.dtype) if bias is not None else _empty_param_grad(None, y)
     return dx.to(x_dtype), dw, db
 
 
 # ----------------------------------------------------------------------------------------------
 # Custom ops (torch.compile traces them as single nodes; autograd saves only y and rstd)
 # ----------------------------------------------------------------------------------------------
-def _use_triton(t: Tensor) -> bool:
-    # Empty tensors need no kernel; the reference path returns the right empty shapes.
-    return resolve_backend(t, OP_NAME) == "triton" and 0 < t.numel() and t.shape[-1] <= MAX_TRITON_N
+def _check_op_backend(backend: str, n: int, dtype: torch.dtype, op: str) -> None:
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"{op}: argument 'backend' must be 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" and n > MAX_TRITON_N:
+        raise ValueError(f"{op}: the Triton kernels take rows of at most {MAX_TRITON_N} features, got {n}")
+    if backend == "triton" and dtype not in TRITON_DTYPES:
+        raise TypeError(f"{op}: the Triton kernels support float32, float16 and bfloat16, got {dtype}")
+
+
+def _trailing_numel(t: Tensor, ndim: int) -> int:
+    return math.prod(t.shape[t.dim() - ndim:])
 
 
 @torch.library.custom_op("tempo::layernorm_fwd", mutates_args=())
-def layernorm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                  out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """x: [rows, N] contiguous -> (y [rows, N] in out_dtype, rstd [rows] fp32 (fp64 for fp64 x))."""
-    if _use_triton(x):
-        return _layernorm_fwd_triton(x, weight, bias, eps, out_dtype)
-    return _layernorm_fwd_reference(x, weight, bias, eps, out_dtype)
+def layernorm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                  out_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+    """x: contiguous, normalized over its last ``normalized_ndim`` dims (N features); weight and bias
+    flattened to [N] -> (y in x's shape and out_dtype, rstd [rows] fp32 (fp64 for fp64 x)).
+
+    ``backend`` ("triton" or "reference") is resolved by the caller, so the backward can be told
+    the same one."""
+    n = _trailing_numel(x, normalized_ndim)
+    _check_op_backend(backend, n, x.dtype, "tempo::layernorm_fwd")
+    if backend == "triton" and x.numel() > 0:  # empty: no kernel to launch
+        return _layernorm_fwd_triton(x, n, weight, bias, eps, out_dtype)
+    return _layernorm_fwd_reference(x, normalized_ndim, weight, bias, eps, out_dtype)
 
 
 @layernorm_fwd.register_fake
-def _(x, weight, bias, eps, out_dtype):
-    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:1], dtype=_rstd_dtype(x.dtype)))
+def _(x, normalized_ndim, weight, bias, eps, out_dtype, backend):
+    rows = math.prod(x.shape[: x.dim() - normalized_ndim])
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows,), dtype=_rstd_dtype(x.dtype))
 
 
 @torch.library.custom_op("tempo::layernorm_bwd", mutates_args=())
-def layernorm_bwd(grad_y: Tensor, y: Tensor, rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                  x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (dx in x_dtype, dγ in γ's dtype, dβ in β's dtype); an absent γ/β gets an empty tensor."""
-    if _use_triton(y) and rstd.dtype == torch.float32:
+def layernorm_bwd(grad_y: Tensor, y: Tensor, rstd: Tensor, normalized_ndim: int, weight: Optional[Tensor],
+                  bias: Optional[Tensor], x_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (dx in x_dtype and y's shape, dγ in γ's dtype, dβ in β's dtype); an absent γ/β gets an
+    empty tensor. ``backend`` is the one the forward ran (recorded in the autograd ctx)."""
+    n = _trailing_numel(y, normalized_ndim)
+    _check_op_backend(backend, n, y.dtype, "tempo::layernorm_bwd")
+    if backend == "triton" and y.numel() > 0:
         return _layernorm_bwd_triton(grad_y, y, rstd, weight, bias, x_dtype)
-    return _layernorm_bwd_reference(grad_y, y, rstd, weight, bias, x_dtype)
+    return _layernorm_bwd_reference(grad_y, y, rstd, normalized_ndim, weight, bias, x_dtype)
 
 
 @layernorm_bwd.register_fake
-def _(grad_y, y, rstd, weight, bias, x_dtype):
+def _(grad_y, y, rstd, normalized_ndim, weight, bias, x_dtype, backend):
     def param_grad(p):
         return p.new_empty(p.shape) if p is not None else y.new_empty((0,), dtype=torch.float32)
 
@@ -291,21 +434,40 @@ def _(grad_y, y, rstd, weight, bias, x_dtype):
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    x, weight, bias, _eps, _out_dtype = inputs
+    x, normalized_ndim, weight, bias, _eps, _out_dtype, backend = inputs
     y, rstd = output
     # The output, not the input: y is the tensor the next layer keeps anyway.
     ctx.save_for_backward(y, rstd, weight, bias)
     ctx.x_dtype = x.dtype
+    ctx.normalized_ndim = normalized_ndim
+    # The backend the forward ran, not whatever use_backend() says when backward runs: on CUDA
+    # that is autograd's device thread, where the forward thread's use_backend() is not active.
+    ctx.backend = backend
     ctx.mark_non_differentiable(rstd)
 
 
 def _fwd_backward(ctx, grad_y, _grad_rstd):
     y, rstd, weight, bias = ctx.saved_tensors
-    dx, dw, db = torch.ops.tempo.layernorm_bwd(grad_y.contiguous(), y, rstd, weight, bias, ctx.x_dtype)
-    return (dx, dw if weight is not None else None, db if bias is not None else None, None, None)
+    dx, dw, db = torch.ops.tempo.layernorm_bwd(grad_y.contiguous(), y, rstd, ctx.normalized_ndim, weight, bias,
+                                               ctx.x_dtype, ctx.backend)
+    return (dx, None, dw if weight is not None else None, db if bias is not None else None, None, None, None)
 
 
 layernorm_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+def resolve_layernorm_backend(x: Tensor, n: int) -> str:
+    """'triton' or 'reference' for rows of ``n`` features (raises as resolve_backend does).
+
+    Rows wider than MAX_TRITON_N run on the reference path, which keeps exactly the same tensors
+    for backward; that fallback is logged once.
+    """
+    backend = resolve_backend(x, OP_NAME)
+    if backend == "triton" and n > MAX_TRITON_N:
+        log_fallback_once(f"{OP_NAME}:wide", f"{OP_NAME}: rows of more than {MAX_TRITON_N} features (got {n}) "
+                          "run on the PyTorch reference path; the Triton forward holds one row per block")
+        return "reference"
+    return backend
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,16 +516,17 @@ def inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[
     if out_dtype is not None and not out_dtype.is_floating_point:
         raise TypeError(f"{OP_NAME}: argument 'out_dtype' must be a floating-point dtype, got {out_dtype}")
     n = math.prod(shape)
-    x2d = x.contiguous().view(-1, n)
-    y2d, _rstd = torch.ops.tempo.layernorm_fwd(
-        x2d,
+    y, _rstd = torch.ops.tempo.layernorm_fwd(
+        x.contiguous(),
+        len(shape),
         # Views of contiguous parameters (the usual case) share their storage: nothing is copied.
         weight.reshape(n).contiguous() if weight is not None else None,
         bias.reshape(n).contiguous() if bias is not None else None,
         float(eps),
         _output_dtype(x, out_dtype),
+        resolve_layernorm_backend(x, n),
     )
-    return y2d.view(x.shape)
+    return y
 
 
 class InplaceLayerNorm(nn.Module):
