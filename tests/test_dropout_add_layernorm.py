@@ -241,6 +241,27 @@ def test_gamma_zero_and_tiny_keep_gradients_finite(backend, device):
     assert_close(module.weight.grad[~small], ref[3][~small], torch.float32, "dweight, |γ| >= τ")
 
 
+@pytest.mark.parametrize("with_weight,owned", [(True, True), (True, False), (False, True), (False, False)])
+def test_reference_backward_paths_agree(device, with_weight, owned):
+    """The CPU reference path runs aten's fused LayerNorm backward when no γ is clamped and the
+    explicit InplaceLayerNorm terms otherwise: on well-conditioned γ both give the same d(sum)."""
+    rows, n = 6, 11
+    g = torch.randn(rows, n, device=device, dtype=torch.float64)
+    rstd = torch.rand(rows, device=device, dtype=torch.float64) + 0.5
+    w = make_params((n,), device)[0].double() if with_weight else None
+    inv_w = w.reciprocal() if with_weight else None
+    # γ·x̂ for a real x̂ (zero mean, unit variance per row: within the clamp's ±√(n − 1)).
+    xhat = nn.functional.layer_norm(torch.randn(rows, n, device=device, dtype=torch.float64), (n,), eps=0.0)
+    y = xhat * w if with_weight else xhat
+    fused = dal_module._dsum_fused(g, y.clone() if owned else y, owned, rstd, w, inv_w)
+    explicit = dal_module._dsum_explicit(g, y.clone() if owned else y, owned, rstd, w, inv_w)
+    torch.testing.assert_close(fused[0], explicit[0], rtol=1e-12, atol=1e-12)
+    if with_weight:
+        torch.testing.assert_close(fused[1], explicit[1], rtol=1e-12, atol=1e-12)
+    else:
+        assert fused[1] is None and explicit[1] is None
+
+
 def test_empty_input(backend, device):
     module = DropoutAddLayerNorm(5, 0.1, device=device)
     x = torch.randn(0, 5, device=device, requires_grad=True)

@@ -18,14 +18,19 @@ Semantics
     LayerNorm(residual + x)).
   * The mask is a pure function of (seed, number of elements, p, backend): element i of the
     contiguous x is kept iff u_i >= p, with u_i = ``tl.rand(seed, i)`` (Triton's philox) on the
-    Triton path and the i-th draw of ``torch.rand`` from a ``torch.Generator`` seeded with the
-    seed on the reference path. The paths draw different masks for the same seed;
+    Triton path and, on the reference path, u_i = (w_i + 2^31) / 2^32 for the i-th int32 half of
+    full-range int64 words drawn by ``random_`` from a ``torch.Generator`` seeded with the seed
+    (half the generator calls of ``torch.rand``). The paths draw different masks for one seed;
     ``dropout_add_layernorm_keep_mask`` regenerates exactly the one a path used. The seed is drawn
     from torch's RNG by default, so ``torch.manual_seed`` and ``torch.utils.checkpoint``'s RNG
     restore reproduce the mask. The backward uses the path its forward ran on (recorded then),
     even outside the forward's ``use_backend`` block.
   * Rows longer than ``MAX_TRITON_N`` elements do not fit one Triton block: they run on the
     reference path (logged once), which keeps exactly the same tensors.
+  * The reference path (CPU; CUDA fallback) regenerates the mask in backward and runs aten's
+    fused LayerNorm backward on the recovered x̂ when no γ_j needed clamping (the explicit
+    InplaceLayerNorm terms otherwise; equal up to rounding): on one CPU core its forward+backward
+    costs about what nn.Dropout + add + nn.LayerNorm cost.
   * Dtypes: the sum and the statistics are computed in fp32 (fp64 when an input is fp64, reference
     path only). The output dtype is the autocast dtype when autocast is enabled on x's device and
     both inputs are fp32/fp16/bf16 (so the next autocast Linear keeps this very storage), else
@@ -247,8 +252,8 @@ def _triton_keep_mask(seed: Tensor, numel: int, p: float, device: torch.device) 
 
 # ----------------------------------------------------------------------------------------------
 # Reference implementation (any device, any float dtype; keeps the same tensors as the kernels).
-# Written for speed on the CPU, where the BERT trainer runs it in every layer: one fused aten
-# LayerNorm in forward, in-place updates of fresh temporaries in backward.
+# Written for speed on the CPU, where the BERT trainer runs it in every layer: aten's fused
+# LayerNorm in forward and (when no γ is clamped) in backward, the mask as one fused multiply.
 # ----------------------------------------------------------------------------------------------
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     # fp32 statistics, except with an fp64 input (reference path only): full precision.
@@ -260,27 +265,35 @@ def _no_param_grad(like: Tensor) -> Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-def _reference_uniforms(seed: Tensor, numel: int, device: torch.device) -> Tensor:
+def _reference_random_words(seed: Tensor, numel: int, device: torch.device) -> Tensor:
+    """``numel`` int32 words uniform over the full 32-bit range, from a Generator seeded with ``seed``.
+
+    Drawn as full-range int64 words split in halves: the CPU generator is serial, making it the
+    reference path's main cost, and this needs half as many generator calls as torch.rand
+    (measured 7 ms instead of 16 ms for 4M elements on one core).
+    """
     # Host sync on seed.item(): acceptable, this is the CPU / fallback path.
     generator = torch.Generator(device=device)
     generator.manual_seed(int(seed.item()))
-    return torch.rand((numel,), generator=generator, device=device, dtype=torch.float32)
+    words = torch.empty(((numel + 1) // 2,), dtype=torch.int64, device=device)
+    words.random_(-(2**63), None, generator=generator)  # to=None: the full 64-bit range
+    return words.view(torch.int32)[:numel]
+
+
+def _keep_threshold(p: float) -> int:
+    # Word w stands for u = (w + 2^31) / 2^32 in [0, 1); it is kept iff u >= p, i.e. w >= this.
+    return min(math.ceil(p * 2**32) - 2**31, 2**31 - 1)
 
 
 def _reference_keep_mask(seed: Tensor, numel: int, p: float, device: torch.device) -> Tensor:
-    return _reference_uniforms(seed, numel, device) >= p
+    return _reference_random_words(seed, numel, device) >= _keep_threshold(p)
 
 
-def _reference_dropout_multiplier(seed: Tensor, shape: Sequence[int], p: float, device: torch.device,
-                                  dtype: torch.dtype) -> Tensor:
-    """The same mask as _reference_keep_mask as a float tensor: 1/(1 − p) where kept, 0 where dropped.
-
-    A float factor makes the dropout one fused multiply (addcmul / mul) instead of a select
-    plus a scale: on the CPU, torch.where with a scalar costs about four multiplies.
-    """
-    u = _reference_uniforms(seed, math.prod(shape), device)
-    torch.ge(u, p, out=u)  # 1.0 where kept, in place: no bool temporary
-    return u.to(dtype).mul_(_dropout_scale(p)).view(shape)
+def _reference_keep_float(seed: Tensor, shape: Sequence[int], p: float, device: torch.device,
+                          dtype: torch.dtype) -> Tensor:
+    """The reference keep mask as 1.0 / 0.0 in ``dtype``, so that applying it is one fused
+    multiply (addcmul / mul_): on the CPU, torch.where with a scalar costs about four multiplies."""
+    return _reference_keep_mask(seed, math.prod(shape), p, device).view(shape).to(dtype)
 
 
 def _fwd_reference(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
@@ -289,7 +302,9 @@ def _fwd_reference(x: Tensor, residual: Tensor, normalized_shape: list[int], wei
     compute = _compute_dtype(x.dtype, residual.dtype)
     xc, rc = x.to(compute), residual.to(compute)
     if dropout:
-        s = torch.addcmul(rc, xc, _reference_dropout_multiplier(seed, x.shape, p, x.device, compute))
+        keep = _reference_keep_float(seed, x.shape, p, x.device, compute)
+        s = torch.addcmul(rc, xc, keep, value=_dropout_scale(p))
+        del keep
     else:
         s = rc + xc
     # aten's fused LayerNorm; its mean is dropped, its rstd is the one the kernels keep.
@@ -302,36 +317,70 @@ def _fwd_reference(x: Tensor, residual: Tensor, normalized_shape: list[int], wei
     return y.to(out_dtype), rstd.reshape(-1)
 
 
+def _dsum_explicit(g: Tensor, scaled_xhat: Tensor, owned: bool, rstd: Tensor, w: Optional[Tensor],
+                   inv_w: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """InplaceLayerNorm's formula, term by term: exact for every feature whatever γ is.
+
+    g, scaled_xhat = γ·x̂ = y − β: [rows, n] in the compute dtype; ``owned``: scaled_xhat is a
+    temporary of ours (not y itself) and may be overwritten. Returns (d(sum), Σ_rows g·x̂ or None).
+    """
+    n = g.shape[-1]
+    bound = xhat_bound(n)
+    mean_g_scaled = (g * scaled_xhat).mean(dim=-1, keepdim=True)  # mean(g·(y − β)): needs no x̂
+    if w is not None:
+        mean_g_w = torch.mv(g, w).div_(n).unsqueeze(-1)
+        dsum = torch.addcmul(mean_g_w.neg_(), g, w)  # g·γ − mean(g·γ)
+        xhat = scaled_xhat.mul_(inv_w) if owned else scaled_xhat * inv_w
+    else:
+        dsum = g - g.mean(dim=-1, keepdim=True)
+        xhat = scaled_xhat if owned else scaled_xhat.clone()
+    xhat.clamp_(-bound, bound)
+    dsum.addcmul_(xhat, mean_g_scaled, value=-1.0).mul_(rstd.unsqueeze(-1))
+    return dsum, (xhat.mul_(g).sum(0) if w is not None else None)
+
+
+def _dsum_fused(g: Tensor, scaled_xhat: Tensor, owned: bool, rstd: Tensor, w: Optional[Tensor],
+                inv_w: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """The same d(sum) through aten's fused LayerNorm backward, run on the recovered x̂ with
+    mean 0 and rstd 1, then scaled by the true rstd: about 3x faster on the CPU than the explicit
+    terms. Only valid when no γ_j was clamped: then γ_j·x̂_j = y_j − β_j up to rounding, so
+    aten's coefficient mean(g·γ·x̂) is InplaceLayerNorm's mean(g·(y − β))."""
+    rows, n = g.shape
+    bound = xhat_bound(n)
+    if w is not None:
+        xhat = scaled_xhat.mul_(inv_w) if owned else scaled_xhat * inv_w
+    else:
+        xhat = scaled_xhat if owned else scaled_xhat.clone()
+    xhat.clamp_(-bound, bound)
+    unit = g.new_ones((rows, 1))
+    dsum, dw, _ = torch.ops.aten.native_layer_norm_backward(
+        g, xhat, [n], unit.new_zeros((rows, 1)), unit, w, None, [True, w is not None, False])
+    return dsum.mul_(rstd.unsqueeze(-1)), dw
+
+
 def _bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, n: int, weight: Optional[Tensor],
                    bias: Optional[Tensor], seed: Tensor, p: float, dropout: bool, x_dtype: torch.dtype,
                    residual_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     compute = rstd.dtype  # fp32, or fp64 for fp64 inputs
     g = grad_y.reshape(-1, n).to(compute)
-    # γ·x̂ = y − β exactly. Never modified in place: without β it may be y itself.
+    # γ·x̂ = y − β exactly. Without β and in y's dtype it is y itself: never overwritten then.
     scaled_xhat = y.reshape(-1, n).to(compute)
     if bias is not None:
         scaled_xhat = scaled_xhat - bias.reshape(n).to(compute)
-    mean_g_scaled = (g * scaled_xhat).mean(dim=-1, keepdim=True)
-    bound = xhat_bound(n)
-    if weight is not None:
-        w = weight.reshape(n).to(compute)
-        xhat = (scaled_xhat * _safe_inverse_gamma(w)).clamp_(-bound, bound)
-        mean_g_w = torch.mv(g, w).div_(n).unsqueeze(-1)  # a matrix-vector product: no temporary
-        dsum = torch.addcmul(mean_g_w.neg_(), g, w)  # g·γ − mean(g·γ)
-    else:
-        xhat = scaled_xhat.clamp(-bound, bound)
-        dsum = g - g.mean(dim=-1, keepdim=True)
-    del scaled_xhat
-    # dsum = rstd · (g·γ − mean(g·γ) − x̂ · mean(g·(y − β)))
-    dsum.addcmul_(xhat, mean_g_scaled, value=-1.0).mul_(rstd.unsqueeze(-1))
-    dw = xhat.mul_(g).sum(0).view(weight.shape).to(weight.dtype) if weight is not None else _no_param_grad(y)
-    del xhat
+    owned = bias is not None or y.dtype != compute
+    w = weight.reshape(n).to(compute) if weight is not None else None
+    inv_w = _safe_inverse_gamma(w) if w is not None else None
+    # The γ-near-zero clamp changed nothing (host sync: fine on this path)? Then the fused path.
+    unclamped = w is None or torch.equal(inv_w, w.reciprocal())
     db = g.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else _no_param_grad(y)
-    del g
+    dsum, dw = (_dsum_fused if unclamped else _dsum_explicit)(g, scaled_xhat, owned, rstd, w, inv_w)
+    del g, scaled_xhat
+    dw = dw.view(weight.shape).to(weight.dtype) if weight is not None else _no_param_grad(y)
     dsum = dsum.view(y.shape)
     dr = dsum.to(residual_dtype)
     if dropout:
-        dx = (dsum * _reference_dropout_multiplier(seed, y.shape, p, y.device, compute)).to(x_dtype)
+        keep = _reference_keep_float(seed, y.shape, p, y.device, compute)
+        dx = keep.mul_(dsum).mul_(_dropout_scale(p)).to(x_dtype)
     else:
         # Outputs of a custom op may not alias each other.
         dx = dsum.to(x_dtype, copy=dr.dtype == x_dtype)
