@@ -11,14 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-# Layer kinds Tempo can swap in.
-LAYER_KINDS = ("gelu", "layernorm", "attention")
+# Layer kinds Tempo can swap in. dropout_add_layernorm fuses the hidden dropout, the residual add
+# and the LayerNorm after it (DropoutAddLayerNorm: keeps no mask and no pre-LN sum).
+LAYER_KINDS = ("gelu", "layernorm", "attention", "dropout_add_layernorm")
+# What --tempo turns on when --tempo_layers is not given: the paper's three layers.
+DEFAULT_KINDS = ("gelu", "layernorm", "attention")
 # Implementations of the attention core (softmax -> dropout -> matmul with v):
 #   eager: PyTorch ops as written (keeps the s x s probabilities, mask and dropout output);
-#   sdpa: torch's scaled_dot_product_attention; tempo: the paper's Combined layer.
-ATTENTIONS = ("eager", "tempo", "sdpa")
+#   tempo: the paper's Combined layer (keeps the s x s probabilities, no mask);
+#   sdpa: torch's scaled_dot_product_attention as is;
+#   efficient: tempo.efficient_attention (O(s) per row: q, k, v, out, log-sum-exp, a seed).
+ATTENTIONS = ("eager", "tempo", "sdpa", "efficient")
 # The attention implementations that are Tempo layers (count as the "attention" kind).
-TEMPO_ATTENTIONS = ("tempo",)
+TEMPO_ATTENTIONS = ("tempo", "efficient")
 # What --attention means when Tempo attention is on and no implementation is named.
 DEFAULT_TEMPO_ATTENTION = "tempo"
 # Training precisions, in one order everywhere: tf32 = fp32 weights with TF32 matmuls.
@@ -52,6 +57,7 @@ class TempoChoice:
     layernorm: bool = False
     attention: str = "eager"
     first_layers: Optional[int] = None
+    dropout_add_layernorm: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -67,15 +73,22 @@ class TempoChoice:
     original = none  # the name the trainers and tables use for the stock layers
 
     @classmethod
-    def full(cls, kinds: Iterable[str] = LAYER_KINDS, attention: Optional[str] = None) -> "TempoChoice":
-        """The given kinds on (all by default); ``attention`` overrides the attention implementation."""
+    def full(cls, kinds: Iterable[str] = DEFAULT_KINDS, attention: Optional[str] = None) -> "TempoChoice":
+        """The given kinds on (the paper's three by default); ``attention`` overrides the attention
+        implementation."""
         kinds = parse_kinds(kinds, flag="kinds")
         if attention is None:
             attention = DEFAULT_TEMPO_ATTENTION if "attention" in kinds else "eager"
-        return cls(gelu="gelu" in kinds, layernorm="layernorm" in kinds, attention=attention)
+        return cls(gelu="gelu" in kinds, layernorm="layernorm" in kinds, attention=attention,
+                   dropout_add_layernorm="dropout_add_layernorm" in kinds)
 
     @classmethod
-    def from_flags(cls, enabled: bool, kinds: str | Iterable[str] = LAYER_KINDS,
+    def floor(cls) -> "TempoChoice":
+        """Every Tempo layer with O(s) attention: the least a layer keeps without recomputing a GEMM."""
+        return cls.full(LAYER_KINDS, attention="efficient")
+
+    @classmethod
+    def from_flags(cls, enabled: bool, kinds: str | Iterable[str] = DEFAULT_KINDS,
                    attention: Optional[str] = None, flag: str = "--tempo_layers") -> "TempoChoice":
         """What ``--tempo/--no-tempo``, ``--tempo_layers`` and ``--attention`` ask for."""
         kinds = parse_kinds(kinds, flag=flag)
@@ -86,7 +99,8 @@ class TempoChoice:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The Tempo layer kinds this choice turns on, in LAYER_KINDS order."""
-        on = {"gelu": self.gelu, "layernorm": self.layernorm, "attention": self.attention in TEMPO_ATTENTIONS}
+        on = {"gelu": self.gelu, "layernorm": self.layernorm, "attention": self.attention in TEMPO_ATTENTIONS,
+              "dropout_add_layernorm": self.dropout_add_layernorm}
         return tuple(k for k in LAYER_KINDS if on[k])
 
     @property
@@ -102,8 +116,9 @@ class TempoChoice:
 
     def __str__(self) -> str:
         return (f"TempoChoice(gelu={self.gelu}, layernorm={self.layernorm}, attention={self.attention!r}"
+                + (", dropout_add_layernorm=True" if self.dropout_add_layernorm else "")
                 + (f", first_layers={self.first_layers})" if self.first_layers is not None else ")"))
 
 
-__all__ = ["ATTENTIONS", "ChoiceError", "DEFAULT_TEMPO_ATTENTION", "LAYER_KINDS", "PRECISIONS",
+__all__ = ["ATTENTIONS", "ChoiceError", "DEFAULT_KINDS", "DEFAULT_TEMPO_ATTENTION", "LAYER_KINDS", "PRECISIONS",
            "TEMPO_ATTENTIONS", "TempoChoice", "parse_kinds"]

@@ -16,7 +16,7 @@ from tempo.memory import ActivationLedger, marginal_bytes_per_token, saved_bytes
 
 
 # -- the table the README and the issue quote ----------------------------------------------
-LEDGER_VARIANTS = ("original", "tempo", "original+sdpa", "tempo+sdpa")
+LEDGER_VARIANTS = ("original", "tempo", "original+sdpa", "tempo+sdpa", "tempo-floor")
 
 
 def bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype, device: str,
@@ -33,6 +33,8 @@ def bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype
         "tempo": TempoChoice.full(attention="tempo"),
         "original+sdpa": TempoChoice.original(attention="sdpa"),
         "tempo+sdpa": TempoChoice.full(attention="sdpa"),
+        # every Tempo layer, efficient attention and the fused dropout-add-LayerNorm
+        "tempo-floor": TempoChoice.floor(),
     }[variant]
     torch.manual_seed(0)
     layer = BertLayer(config, options).to(device).train()
@@ -45,6 +47,8 @@ def bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype
     # bf16 scores to fp32 (no padding here).
     mask = additive_attention_mask(torch.ones(batch, seq_len, device=device),
                                    dtype if dtype != torch.float32 else torch.float32)
+    if options.attention == "efficient":
+        mask = None  # no padding: the model passes no mask (see BertModel.forward)
 
     def forward() -> None:
         with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):

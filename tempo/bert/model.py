@@ -105,23 +105,30 @@ class BertSelfAttention(nn.Module):
         if options.attention == "eager":
             self.dropout = nn.Dropout(self.dropout_p)
         elif options.attention == "tempo":
-            from tempo.combined import Combined  # lazy: optional Tempo kernel
+            from tempo.combined import Combined  # lazy: imports Triton only when used
             self.combined = Combined(dim=-1, p=self.dropout_p)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, l, _ = x.shape
         return x.view(b, l, self.num_heads, self.head_size).transpose(1, 2)  # [B, N, L, D]
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, mask: Optional[Tensor]) -> Tensor:
         q = self._split_heads(self.query(hidden))
         k = self._split_heads(self.key(hidden))
         v = self._split_heads(self.value(hidden))
 
         if self.attention_impl == "sdpa":
+            # mask None (no padding in the batch) lets sdpa pick its flash kernel on a GPU.
             context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask.to(q.dtype),
+                q, k, v, attn_mask=None if mask is None else mask.to(q.dtype),
                 dropout_p=self.dropout_p if self.training else 0.0)
+        elif self.attention_impl == "efficient":
+            from tempo.ops.attention import efficient_attention  # lazy: imports Triton only when used
+
+            context = efficient_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p, training=self.training)
         else:
+            if mask is None:
+                mask = torch.zeros((), dtype=q.dtype, device=q.device)
             scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale + mask
             if self.attention_impl == "tempo":
                 context = self.combined(scores, v)
@@ -133,15 +140,34 @@ class BertSelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(b, l, self.num_heads * self.head_size)
 
 
-class BertSelfOutput(nn.Module):
-    def __init__(self, config: BertConfig, options: TempoChoice):
+class _DropoutAddNorm(nn.Module):
+    """dense -> dropout -> + residual -> LayerNorm, the end of both residual blocks of a layer.
+
+    With the dropout_add_layernorm choice the last three are one DropoutAddLayerNorm (named
+    LayerNorm, so checkpoints keep their keys) that keeps no dropout mask and no pre-LN sum.
+    """
+
+    def __init__(self, config: BertConfig, options: TempoChoice, in_features: int):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.LayerNorm = _layer_norm(config, options)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.fused = options.dropout_add_layernorm
+        if self.fused:
+            from tempo.ops.dropout_add_layernorm import DropoutAddLayerNorm  # lazy: imports Triton only when used
+            self.LayerNorm = DropoutAddLayerNorm(config.hidden_size, config.hidden_dropout_prob,
+                                                 eps=config.layer_norm_eps)
+        else:
+            self.LayerNorm = _layer_norm(config, options)
+            self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden: Tensor, residual: Tensor) -> Tensor:
+        if self.fused:
+            return self.LayerNorm(self.dense(hidden), residual)
         return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+
+
+class BertSelfOutput(_DropoutAddNorm):
+    def __init__(self, config: BertConfig, options: TempoChoice):
+        super().__init__(config, options, config.hidden_size)
 
 
 class BertAttention(nn.Module):
@@ -150,7 +176,7 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config, options)
         self.output = BertSelfOutput(config, options)
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, mask: Optional[Tensor]) -> Tensor:
         return self.output(self.self(hidden, mask), hidden)
 
 
@@ -167,15 +193,9 @@ class BertIntermediate(nn.Module):
         return self.act(self.dense(hidden))
 
 
-class BertOutput(nn.Module):
+class BertOutput(_DropoutAddNorm):
     def __init__(self, config: BertConfig, options: TempoChoice):
-        super().__init__()
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.LayerNorm = _layer_norm(config, options)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, hidden: Tensor, residual: Tensor) -> Tensor:
-        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+        super().__init__(config, options, config.intermediate_size)
 
 
 class BertLayer(nn.Module):
@@ -264,7 +284,10 @@ class BertModel(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hidden = self.embeddings(input_ids, token_type_ids)
-        mask = additive_attention_mask(attention_mask, _compute_dtype(hidden))
+        if self.options.attention in ("sdpa", "efficient") and bool(attention_mask.all()):
+            mask = None  # no padding: no mask, so fused attention kernels can take the call (one host sync)
+        else:
+            mask = additive_attention_mask(attention_mask, _compute_dtype(hidden))
         hidden = self.encoder(hidden, mask)
         pooled = self.pooler(hidden) if self.pooler is not None else None
         return BertModelOutput(hidden, pooled)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from tempo.choices import LAYER_KINDS, TEMPO_ATTENTIONS, TempoChoice
+from tempo.choices import DEFAULT_KINDS, TEMPO_ATTENTIONS, TempoChoice
 from tempo.train.step import TrainStep, to_device
 from tempo.train.max_batch import search_max_batch
 from tempo.utils import parse_bytes
@@ -64,6 +64,9 @@ def apply_choice(choice: TempoChoice, model: nn.Module) -> nn.Module:
     is set per model (HF has one attn_implementation per config), never on some layers only."""
     if choice.is_none:
         return model
+    if choice.dropout_add_layernorm:
+        raise NotImplementedError("apply_tempo cannot fuse dropout-add-LayerNorm into existing models yet; "
+                                  "choose from the kinds gelu, layernorm, attention")
     attention = choice.attention in TEMPO_ATTENTIONS
     if choice.first_layers is None:
         return apply_tempo(model, gelu=choice.gelu, layernorm=choice.layernorm, attention=attention)
@@ -296,7 +299,7 @@ def _still_rising(curve: list[Measurement], min_gain: float) -> tuple[bool, str]
                     f"at {top.batch_size} ({gain:+.0%}, threshold {min_gain:+.0%})")
 
 
-def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = LAYER_KINDS) -> list[TempoChoice]:
+def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = DEFAULT_KINDS) -> list[TempoChoice]:
     """No Tempo, each kind alone, all kinds, and all kinds on the first 1/4, 1/2, 3/4 of the layers."""
     candidates = [TempoChoice.none()] + [TempoChoice.full([k]) for k in kinds]
     if len(kinds) > 1:
@@ -310,7 +313,7 @@ def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = LAYER_K
 def auto_tempo(model_factory: ModelFactory, batch_factory: Optional[BatchFactory] = None, policy: str = "fast",
                memory_budget: Union[int, str, None] = None, measure: Optional[Measure] = None,
                start_batch: int = 1, max_batch: Optional[int] = 1024, min_gain: float = 0.05,
-               kinds: Sequence[str] = LAYER_KINDS, candidates: Optional[Sequence[TempoChoice]] = None,
+               kinds: Sequence[str] = DEFAULT_KINDS, candidates: Optional[Sequence[TempoChoice]] = None,
                device: Union[str, torch.device, None] = None) -> AutoTempoResult:
     """Choose how to apply Tempo to the models ``model_factory`` builds; see the module docstring.
 
@@ -323,9 +326,9 @@ def auto_tempo(model_factory: ModelFactory, batch_factory: Optional[BatchFactory
     """
     if policy not in ("fast", "smart"):
         raise ValueError(f"policy must be 'fast' or 'smart', got {policy!r}")
-    unknown = set(kinds) - set(LAYER_KINDS)
+    unknown = set(kinds) - set(DEFAULT_KINDS)
     if unknown:
-        raise ValueError(f"unknown Tempo layer kinds {sorted(unknown)}; choose from {LAYER_KINDS}")
+        raise ValueError(f"unknown Tempo layer kinds {sorted(unknown)}; choose from {DEFAULT_KINDS}")
     if measure is None:
         if batch_factory is None:
             raise ValueError("auto_tempo needs batch_factory (for the default measure) or measure")

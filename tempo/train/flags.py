@@ -17,7 +17,7 @@ import argparse
 import os
 from pathlib import Path
 
-from tempo.choices import ATTENTIONS, LAYER_KINDS, ChoiceError, TempoChoice
+from tempo.choices import ATTENTIONS, DEFAULT_KINDS, LAYER_KINDS, ChoiceError, TempoChoice
 from tempo.train.runtime import UsageError
 
 from tempo.utils import atomic_write_text
@@ -62,8 +62,9 @@ def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | Non
                        help="use Tempo layers (default: as set by scripts/tempo/patch_tempo.sh, else off)"
                        if default_enabled is None else "use Tempo layers")
     group.add_argument("--tempo_layers", "--tempo-layers", dest="tempo_layers", type=str,
-                       default=",".join(LAYER_KINDS),
-                       help=f"comma-separated layer kinds Tempo replaces when on: {','.join(LAYER_KINDS)}")
+                       default=",".join(DEFAULT_KINDS),
+                       help=f"comma-separated layer kinds Tempo replaces when on, of {','.join(LAYER_KINDS)} "
+                            f"(default: {','.join(DEFAULT_KINDS)})")
     group.add_argument("--attention", choices=ATTENTIONS, default=None,
                        help="attention implementation (default: tempo with --tempo, else eager)")
 
