@@ -199,6 +199,9 @@ VARIANTS = {
     "tempo-full": TempoChoice.full(),
     "tempo-full-sdpa": TempoChoice.full(attention="sdpa"),
     "tempo-ln-attention": TempoChoice(layernorm=True, attention="tempo"),
+    "efficient": TempoChoice(attention="efficient"),
+    "dropout-add-layernorm": TempoChoice(dropout_add_layernorm=True),
+    "tempo-floor": TempoChoice.floor(),
 }
 
 
@@ -247,7 +250,7 @@ def test_variants_match_eager_fp32(variant):
                                    msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("variant", ["sdpa", "tempo-ln-attention", "tempo-full"])
+@pytest.mark.parametrize("variant", ["sdpa", "tempo-ln-attention", "tempo-full", "tempo-floor"])
 def test_variants_match_eager_bf16_autocast(variant):
     options = VARIANTS[variant]
     require_tempo_layers(options)
@@ -276,7 +279,7 @@ def test_padding_does_not_leak_into_real_tokens():
     torch.testing.assert_close(a[keep], b[keep], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa", "tempo"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "tempo", "efficient"])
 def test_fully_masked_sample_gives_no_nan(attention):
     options = TempoChoice(attention=attention)
     require_tempo_layers(options)
@@ -378,3 +381,30 @@ def test_forward_backward_runs(autocast, variant):
     out.loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+def test_floor_keeps_less_than_the_paper_layers_and_nothing_quadratic():
+    """Bytes autograd keeps per added token: the floor choice keeps no s x s tensor, so its bytes per
+    token do not grow with s, and it keeps less than the paper's three layers."""
+    from tempo.memory import ActivationLedger
+
+    cfg = tiny_config(max_position_embeddings=64)
+
+    def per_token(choice, seq):
+        torch.manual_seed(0)
+        model = BertForPreTraining(cfg, choice).train()
+        sizes = []
+        for batch in (1, 2):
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+            with ActivationLedger(model) as ledger, torch.autocast("cpu", dtype=torch.bfloat16):
+                model(ids, masked_lm_labels=ids)
+            sizes.append(ledger.activation_bytes)
+        return (sizes[1] - sizes[0]) / seq
+
+    floor = [per_token(TempoChoice.floor(), s) for s in (8, 32)]
+    paper = [per_token(TempoChoice.full(), s) for s in (8, 32)]
+    # O(s) attention: per token the same bytes at every length, up to the per-sequence heads
+    # (pooler, NSP) spread over the tokens; the paper's Combined keeps the s x s probabilities.
+    assert abs(floor[1] - floor[0]) < 0.01 * floor[0]
+    assert paper[1] - paper[0] > 0.05 * paper[0]
+    assert floor[0] < paper[0]
