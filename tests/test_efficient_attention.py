@@ -319,7 +319,10 @@ def test_saved_bytes_exact(dtype, p, with_mask):
     expected = 4 * b * h * s * d * esize + 4 * b * h * s + 8  # q, k, v, out; fp32 lse; int64 seed
     if with_mask:
         expected += mask.numel() * esize
-        assert any(r.shape == tuple(mask.shape) for r in led.records)  # the caller's mask, not a copy
+        ptrs = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: ptrs.append(t.data_ptr()) or t, lambda t: t):
+            efficient_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        assert mask.data_ptr() in ptrs  # the caller's mask itself, not a copy
     assert led.activation_bytes == expected
     assert len(led.records) == 6 + with_mask
     assert all(math.prod(r.shape) < s * s for r in led.records)  # nothing of size s×s per (b, h)
@@ -372,8 +375,9 @@ def test_opcheck_custom_ops():
     torch.library.opcheck(fwd, (q, k, v, mask, seed, 0.2, False, 0.3))
     out, lse = fwd(q.detach(), k.detach(), v.detach(), mask, seed, 0.2, False, 0.3)
     g = torch.randn_like(out)
-    torch.library.opcheck(bwd, (g, q.detach(), k.detach(), v.detach(), out, lse, mask, seed, 0.2, False, 0.3, True))
-    torch.library.opcheck(bwd, (g, q.detach(), k.detach(), v.detach(), out, lse, None, seed, 0.0, True, 0.3, False))
+    qkv = (q.detach(), k.detach(), v.detach())
+    torch.library.opcheck(bwd, (g, *qkv, out, lse, mask, seed, 0.2, False, 0.3, True))
+    torch.library.opcheck(bwd, (g, *qkv, out, lse, None, seed, 0.0, True, 0.3, False))
 
 
 def test_torch_compile_fullgraph():
@@ -383,7 +387,8 @@ def test_torch_compile_fullgraph():
     seed = torch.tensor(17)
 
     def fn(q, k, v):
-        return efficient_attention(q, k, v, attn_mask=mask, dropout_p=0.2, seed=seed).transpose(1, 2).reshape(2, 10, 16)
+        out = efficient_attention(q, k, v, attn_mask=mask, dropout_p=0.2, seed=seed)
+        return out.transpose(1, 2).reshape(2, 10, 16)
 
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -129,7 +129,8 @@ def attention_keep_mask(seed: Tensor | int, shape, dropout_p: float, device=None
     gen = torch.Generator(device=device)
     for qi, q0, q1 in _blocks(s_q, BLOCK_Q):
         for ki, k0, k1 in _blocks(s_k, BLOCK_K):
-            keep[:, :, q0:q1, k0:k1] = _uniform_tile(gen, seed_int, qi, ki, (b, h, q1 - q0, k1 - k0), device) >= p
+            u = _uniform_tile(gen, seed_int, qi, ki, (b, h, q1 - q0, k1 - k0), device)
+            keep[:, :, q0:q1, k0:k1] = u >= p
     return keep
 
 
@@ -161,9 +162,11 @@ def _scores(qs: Tensor, kc: Tensor, mask4: Optional[Tensor], is_causal: bool,
     if mask4 is not None:
         tile = _mask_tile(mask4, q0, q1, k0, k1)
         if tile.dtype == torch.bool:
-            s.masked_fill_(torch.logical_not(tile), float("-inf"))
-        else:
-            s.add_(tile)
+            # As an additive tile of the mask's own (broadcast) shape: a broadcast add is much
+            # cheaper than a broadcast masked_fill_, and a key-padding tile is tiny.
+            tile = torch.zeros(tile.shape, dtype=s.dtype, device=s.device).masked_fill_(
+                torch.logical_not(tile), float("-inf"))
+        s.add_(tile)
     if is_causal and k1 - 1 > q0:  # the tile crosses the diagonal
         rows = torch.arange(q0, q1, device=s.device)[:, None]
         cols = torch.arange(k0, k1, device=s.device)[None, :]
@@ -319,6 +322,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, seed, dropout_p, is_causal, scale = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
+    # One implementation sits behind this op (the CPU path has no Triton kernel), so there is no
+    # backend to record: backward regenerates the dropout tiles from the seed alone.
     ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask)
     ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
 
