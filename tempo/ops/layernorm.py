@@ -140,10 +140,12 @@ if triton is not None:
         HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr,
     ):
         # Wide rows, step 1: per row Σ g·γ and Σ g·(y − β) (= Σ g·γ·x̂), the two reductions dx
-        # needs, walking the row in chunks so nothing row-sized sits in registers.
+        # needs, walking the row in chunks so nothing row-sized sits in registers. (Scalar sums
+        # per chunk: chunk-wide fp32 accumulators crash triton 3.9's sm_90 compiler for 16-bit
+        # inputs without affine, found by compile_check.)
         row = tl.program_id(0).to(tl.int64)
-        acc_dy_w = tl.zeros([CHUNK], dtype=tl.float32)
-        acc_dy_scaled = tl.zeros([CHUNK], dtype=tl.float32)
+        sum_dy_w = 0.0
+        sum_dy_scaled = 0.0
         for start in range(0, N, CHUNK):
             cols = start + tl.arange(0, CHUNK)
             live = cols < N
@@ -152,13 +154,13 @@ if triton is not None:
             scaled_xhat = y
             if HAS_BIAS:
                 scaled_xhat = tl.where(live, y - tl.load(B + cols, mask=live, other=0.0).to(tl.float32), 0.0)
+            dy_w = dy
             if HAS_WEIGHT:
-                acc_dy_w += dy * tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
-            else:
-                acc_dy_w += dy
-            acc_dy_scaled += dy * scaled_xhat
-        tl.store(SUMS + row * 2, tl.sum(acc_dy_w, axis=0))
-        tl.store(SUMS + row * 2 + 1, tl.sum(acc_dy_scaled, axis=0))
+                dy_w = dy * tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
+            sum_dy_w += tl.sum(dy_w, axis=0)
+            sum_dy_scaled += tl.sum(dy * scaled_xhat, axis=0)
+        tl.store(SUMS + row * 2, sum_dy_w)
+        tl.store(SUMS + row * 2 + 1, sum_dy_scaled)
 
     @triton.jit
     def _layernorm_bwd_wide_kernel(
