@@ -108,7 +108,8 @@ def test_lamb_matches_reference(dtype, tol, use_nvlamb):
             for pi, p in enumerate(ps):
                 g = grads[gi][pi]
                 p.grad = None if g is None else g.to(dtype)
-        assert opt.step() is True
+        taken = opt.step()
+        assert _taken(taken) is True
         assert reference_lamb_step(ref_groups, grads, states, max_grad_norm=1.0, use_nvlamb=use_nvlamb)
         for ref_group, ps in zip(ref_groups, tested):
             for ref_p, p in zip(ref_group["params"], ps):
@@ -116,7 +117,8 @@ def test_lamb_matches_reference(dtype, tol, use_nvlamb):
     # Clipping must not modify the user's gradients.
     assert torch.equal(tested[0][0].grad, grads[0][0].to(dtype))
     assert opt.state[tested[0][0]]["exp_avg"].dtype == dtype
-    assert [g["step"] for g in opt.param_groups] == [5, 5]
+    assert [int(g["step"]) for g in opt.param_groups] == [5, 5]
+    assert opt.skipped_steps == 0
 
 
 def test_lamb_without_clipping_and_grad_averaging():
@@ -153,28 +155,130 @@ def test_lamb_skips_non_finite_step(bad):
     model.zero_grad()
     model(torch.randn(2, 4)).sum().backward()
     model.bias.grad[0] = bad
-    assert opt.step() is False
-    assert opt.last_step_taken is False
+    grad_before = model.bias.grad.clone()
+    assert _taken(opt.step()) is False
+    assert _taken(opt.last_step_taken) is False
     assert opt.skipped_steps == 1
+    assert torch.equal(model.bias.grad.nan_to_num(), grad_before.nan_to_num())  # p.grad untouched
     assert not math.isfinite(opt.last_grad_norm)
     for before, p in zip(before_params, model.parameters()):
         assert torch.equal(before, p)
     before_state.seek(0)
     old = torch.load(before_state, weights_only=True)
     new = opt.state_dict()
-    assert [g["step"] for g in new["param_groups"]] == [g["step"] for g in old["param_groups"]]
+    assert [int(g["step"]) for g in new["param_groups"]] == [int(g["step"]) for g in old["param_groups"]] == [1, 1]
     for pid, st in old["state"].items():
         for key, value in st.items():
             assert torch.equal(new["state"][pid][key], value)
     assert new["skipped_steps"] == 1
 
 
-def test_lamb_skip_on_first_step_leaves_no_state():
+def _taken(result):
+    """step()'s answer as a Python bool: a 0-d bool tensor (decided on the device) or False."""
+    if isinstance(result, torch.Tensor):
+        assert result.dim() == 0 and result.dtype == torch.bool
+        return bool(result)
+    return result
+
+
+def test_lamb_skip_on_first_step_is_the_same_as_no_step():
+    """The skip is decided on the device, so a skipped first step creates zero moments and a step
+    counter of 0: the next taken step must equal a fresh optimizer's first step, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    fresh_model = nn.Linear(3, 2)
+    fresh_model.load_state_dict(model.state_dict())
+    opt = Lamb(bert_param_groups(model), lr=0.1)
+    fresh = Lamb(bert_param_groups(fresh_model), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model.weight.grad = torch.full_like(model.weight, float("inf"))
+    model.bias.grad = torch.ones_like(model.bias)
+    assert _taken(opt.step()) is False
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert [int(g["step"]) for g in opt.param_groups] == [0, 0] and opt.skipped_steps == 1
+    for state in opt.state.values():
+        assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    x = torch.randn(4, 3)
+    for m, o in ((model, opt), (fresh_model, fresh)):
+        o.zero_grad()
+        m(x).sum().backward()
+        assert _taken(o.step()) is True
+    for pa, pb in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(pa, pb)
+    assert [int(g["step"]) for g in opt.param_groups] == [1, 1]
+
+
+def test_lamb_step_without_grads_returns_false():
+    opt = Lamb(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert opt.step() is False and opt.skipped_steps == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lamb_skip_mid_run_leaves_everything_bit_identical_and_keeps_counting(dtype):
+    """A non-finite norm in the middle of a run (bf16 params too): params, moments and step
+    counters unchanged; later steps continue as if the bad step never happened."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2)).to(dtype)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2)).to(dtype)
+    model.load_state_dict(ref.state_dict())
+    opt, ref_opt = Lamb(bert_param_groups(model), lr=0.05), Lamb(bert_param_groups(ref), lr=0.05)
+    data = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)).to(dtype) for i in range(4)]
+    for i, x in enumerate(data):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).float().sum().backward()
+            if o is opt and i == 2:  # one bad step injected into one run only
+                snapshot = io.BytesIO()
+                torch.save(o.state_dict(), snapshot)
+                params = [p.detach().clone() for p in m.parameters()]
+                m[0].weight.grad[0, 0] = float("nan")
+                assert _taken(o.step()) is False
+                assert all(torch.equal(a, b) for a, b in zip(params, m.parameters()))
+                snapshot.seek(0)
+                old = torch.load(snapshot, weights_only=True)
+                new = o.state_dict()
+                for pid, st in old["state"].items():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        assert torch.equal(new["state"][pid][key], st[key])
+                assert [float(g["step"]) for g in new["param_groups"]] == [2.0, 2.0]
+                o.zero_grad()
+                m(x).float().sum().backward()
+            assert _taken(o.step()) is True
+    assert opt.skipped_steps == 1 and ref_opt.skipped_steps == 0
+    assert opt.state_dict()["skipped_steps"] == 1
+    for pa, pb in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_lamb_grad_norm_and_counters_stay_on_the_device():
+    """No host sync inside step(): the norm, the decision and the step counters are tensors."""
     model = nn.Linear(3, 2)
     opt = Lamb(model.parameters(), lr=0.1)
-    model.weight.grad = torch.full_like(model.weight, float("inf"))
-    assert opt.step() is False
-    assert len(opt.state) == 0 and "step" not in opt.param_groups[0]
+    model(torch.randn(2, 3)).sum().backward()
+    taken = opt.step()
+    assert isinstance(taken, torch.Tensor) and isinstance(opt.last_grad_norm, torch.Tensor)
+    assert isinstance(opt.param_groups[0]["step"], torch.Tensor)
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    torch.testing.assert_close(opt.last_grad_norm, expected)
+    # if opt.step(): sched.step() (the DLE idiom) still reads the tensor
+    model(torch.randn(2, 3)).sum().backward()
+    assert opt.step()
+
+
+def test_lamb_loads_state_dicts_with_int_steps():
+    """Checkpoints written before the step counter became a tensor keep their step count."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = Lamb(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    state["param_groups"][0]["step"] = int(state["param_groups"][0]["step"])  # the old format
+    other = Lamb(model.parameters(), lr=0.1)
+    other.load_state_dict(state)
+    model(torch.randn(2, 3)).sum().backward()
+    other.step()
+    assert int(other.param_groups[0]["step"]) == 2
 
 
 def test_lamb_with_grad_scaler_matches_unscaled():
@@ -192,7 +296,7 @@ def test_lamb_with_grad_scaler_matches_unscaled():
         opt_a.zero_grad()
         scaler.scale(model_b(x).sum()).backward()
         scaler.unscale_(opt_b)
-        assert scaler.step(opt_b) is True
+        assert _taken(scaler.step(opt_b)) is True
         scaler.update()
         opt_b.zero_grad()
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):

@@ -10,7 +10,6 @@ benchmarks.
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -40,14 +39,15 @@ def _state_dtype(param: torch.Tensor) -> torch.dtype:
 
 
 class Lamb(Optimizer):
-    """LAMB with apex FusedLAMB semantics (adam_w_mode=True).
+    """LAMB with apex FusedLAMB semantics (adam_w_mode=True), deciding skips on the device.
 
     Per step:
       1. global L2 norm of all gradients of all groups; if it is not finite the
-         step is skipped (no state change, ``skipped_steps += 1``), which lets
-         bf16 runs without a GradScaler skip bad steps too;
+         step is skipped: parameters, moments and step counters stay exactly as
+         they were (``skipped_steps += 1``), which lets bf16 runs without a
+         GradScaler skip bad steps too;
       2. gradients are scaled by ``max_grad_norm / max(norm, max_grad_norm)``
-         (not in place: ``p.grad`` is left untouched);
+         (into a scratch copy: ``p.grad`` is left untouched);
       3. ``m = b1*m + b3*g`` with ``b3 = 1-b1`` (``grad_averaging``) or 1,
          ``v = b2*v + (1-b2)*g*g``, moments in fp32 (or fp64 for fp64 params);
       4. ``u = m_hat / (sqrt(v_hat) + eps) + wd*p``;
@@ -59,19 +59,34 @@ class Lamb(Optimizer):
     the apex default, so bias / LayerNorm parameters get plain Adam-style
     updates scaled by lr.
 
-    The step counter is kept per param group in ``group["step"]`` (as apex),
-    and it only advances on steps that were taken.
+    No host sync: the skip decision is a 0-d bool tensor on the device. A
+    skipped step runs the same kernels with the scaled gradients zeroed and the
+    moment decay, learning rate and step increment multiplied away, so it
+    leaves every parameter and state bit-identical (needs ``eps > 0``, the
+    usual case, so that the discarded update is finite). The step counter is
+    kept per param group in ``group["step"]`` (as apex) as a 0-d float32 tensor
+    on the parameters' device (exact up to 2**24 steps) that advances only on
+    steps that were taken; checkpoints holding an int there load fine.
+    Parameters seen for the first time get zero moments even when that step
+    is skipped (equivalent to having no state: the next taken step is the
+    same as a fresh optimizer's first).
 
-    ``step()`` returns True if parameters were updated and False if the step
-    was skipped (non-finite gradient norm) or there were no gradients; the
-    same value is kept in ``self.last_step_taken``, the pre-clipping global
-    gradient norm in ``self.last_grad_norm`` (a float; inf/nan on a skip).
-    Deciding whether to skip needs one device->host sync per step.
+    ``step()`` returns a 0-d bool tensor on the parameters' device, True when
+    parameters were updated; ``bool(...)`` / ``if opt.step():`` read it (a
+    sync at that point, not inside the step). It returns plain ``False`` when
+    no parameter had a gradient. ``self.last_step_taken`` keeps the same value;
+    ``self.last_grad_norm`` the pre-clipping global gradient norm as a 0-d
+    tensor (inf/nan on a skip; ``float(...)`` syncs); ``self.skipped_steps``
+    is an int (reading it syncs).
 
     With fp16 and ``torch.amp.GradScaler`` use the usual
     ``scaler.unscale_(opt)`` (optional) + ``scaler.step(opt)`` + ``scaler.update()``;
     the scaler passes ``step()``'s return value through, or returns None
-    when it skipped the step itself.
+    when it skipped the step itself (the scaler syncs on its own inf check).
+
+    Memory: the scaled gradients are one flat scratch buffer per (device,
+    dtype) bucket in the moments' dtype (as large as the gradients in fp32),
+    alive during the step only, after the activations are gone.
 
     Global clipping assumes every rank holds the full gradients (DDP); with
     sharded gradients the norm would have to be all-reduced first.
@@ -111,9 +126,19 @@ class Lamb(Optimizer):
         super().__init__(params, defaults)
         # Clipping is global over all groups, so it is not a per-group option.
         self.max_grad_norm = max_grad_norm
-        self.skipped_steps = 0
-        self.last_step_taken = False
-        self.last_grad_norm: float | None = None
+        self._skipped_base = 0  # skips restored from a state dict
+        self._skipped: torch.Tensor | None = None  # skips counted on the device since
+        self.last_step_taken: bool | torch.Tensor = False
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient norm (reading it syncs with the device)."""
+        return self._skipped_base + (int(self._skipped) if self._skipped is not None else 0)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_base, self._skipped = int(value), None
 
     # -- state dict -------------------------------------------------------
 
@@ -145,25 +170,31 @@ class Lamb(Optimizer):
                 )
                 for key, value in param_state.items()
             }
+        # The loaded step counters are moved to their parameters' device at the next step.
 
     # -- step -------------------------------------------------------------
 
-    def _global_grad_norm(self, grads: list[torch.Tensor]) -> float:
+    def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of all ``grads`` as a 0-d tensor on the first gradient's device (no sync).
+
+        fp32, or fp64 when a gradient is fp64 (so fp64 runs clip exactly)."""
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for grad in grads:
             buckets[(grad.device, grad.dtype)].append(grad)
-        total_sq = 0.0
+        device = grads[0].device
+        total_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        total_sq = torch.zeros((), dtype=total_dtype, device=device)
         for (_, dtype), bucket in buckets.items():
             # fp16 squares overflow early, so reduce low precision in fp32.
             norm_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
             norms = torch._foreach_norm(bucket, 2, dtype=norm_dtype)
-            bucket_norm = torch.linalg.vector_norm(torch.stack(norms)).item()
-            total_sq += bucket_norm * bucket_norm
-        return math.sqrt(total_sq)
+            bucket_norm = torch.linalg.vector_norm(torch.stack(norms)).to(device=device, dtype=total_dtype)
+            total_sq = total_sq + bucket_norm * bucket_norm
+        return total_sq.sqrt()
 
     @torch.no_grad()
-    def step(self, closure=None) -> bool:  # type: ignore[override]
-        """Take one LAMB step; returns whether parameters were updated."""
+    def step(self, closure=None) -> bool | torch.Tensor:  # type: ignore[override]
+        """Take one LAMB step; returns whether parameters were updated (see the class docstring)."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -181,21 +212,23 @@ class Lamb(Optimizer):
 
         grad_norm = self._global_grad_norm(grads)
         self.last_grad_norm = grad_norm
-        if not math.isfinite(grad_norm):
-            self.skipped_steps += 1
-            self.last_step_taken = False
-            return False
-
-        clip = 1.0
-        if self.max_grad_norm and grad_norm > self.max_grad_norm:
-            clip = self.max_grad_norm / grad_norm
+        taken = torch.isfinite(grad_norm)
+        # Factor applied to the gradients: the clip factor, or 0 on a skipped step (the
+        # non-finite entries that 0 * inf leaves as NaN are zeroed in _scaled_grads).
+        if self.max_grad_norm:
+            clip = self.max_grad_norm / torch.clamp(grad_norm, min=self.max_grad_norm)
+        else:
+            clip = torch.ones_like(grad_norm)
+        scale = torch.where(taken, clip, torch.zeros_like(clip))
 
         for group in self.param_groups:
-            self._update_group(group, clip)
-        self.last_step_taken = True
-        return True
+            self._update_group(group, scale, taken)
+        skipped = (~taken).to(torch.int64)
+        self._skipped = skipped if self._skipped is None else self._skipped + skipped.to(self._skipped.device)
+        self.last_step_taken = taken
+        return taken
 
-    def _update_group(self, group: dict[str, Any], clip: float) -> None:
+    def _update_group(self, group: dict[str, Any], scale: torch.Tensor, taken: torch.Tensor) -> None:
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for param in group["params"]:
             if param.grad is None:
@@ -212,77 +245,86 @@ class Lamb(Optimizer):
         if not buckets:
             return
 
-        group["step"] = group.get("step", 0) + 1
-        step = group["step"]
-        beta1, beta2 = group["betas"]
-        # .get: groups restored from state dicts written by other LAMB versions
-        beta3 = 1.0 - beta1 if group.get("grad_averaging", True) else 1.0
-        if group.get("bias_correction", True):
-            bias_correction1 = 1.0 - beta1**step
-            bias_correction2 = 1.0 - beta2**step
-        else:
-            bias_correction1 = bias_correction2 = 1.0
-        weight_decay = group["weight_decay"]
-        use_trust_ratio = group.get("use_nvlamb", False) or weight_decay != 0.0
+        device = next(iter(buckets))[0]
+        step = group.get("step", 0)
+        if not torch.is_tensor(step):  # a new group, or a state dict with an int step
+            step = torch.tensor(float(step), dtype=torch.float32, device=device)
+        elif step.device != device or step.dtype != torch.float32:
+            step = step.to(device=device, dtype=torch.float32)
+        # Advances only on taken steps. Out of place: a state_dict() taken earlier shares the
+        # old tensor and must not change under its holder.
+        step = step + taken.to(device=device, dtype=torch.float32)
+        group["step"] = step
 
-        for params in buckets.values():
+        for (bucket_device, _), params in buckets.items():
             self._update_bucket(
                 params,
-                lr=group["lr"],
-                eps=group["eps"],
-                beta1=beta1,
-                beta2=beta2,
-                beta3=beta3,
-                bias_correction1=bias_correction1,
-                bias_correction2=bias_correction2,
-                weight_decay=weight_decay,
-                use_trust_ratio=use_trust_ratio,
-                clip=clip,
+                group=group,
+                step=step.to(bucket_device),
+                scale=scale.to(bucket_device),
+                taken=taken.to(bucket_device),
             )
+
+    def _scaled_grads(self, params: list[torch.Tensor], dtype: torch.dtype,
+                      scale: torch.Tensor) -> list[torch.Tensor]:
+        """scale * p.grad for each param, as views of one fresh flat buffer in ``dtype``.
+
+        One buffer means a handful of kernels whatever the number of tensors: cat, cast,
+        scale, and the zeroing of the NaN/inf that a skipped step's 0 * inf leaves."""
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = flat.to(dtype) if flat.dtype != dtype else flat  # cat made a copy: p.grad is untouched
+        flat.mul_(scale.to(dtype))
+        flat.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a no-op on taken steps (all finite)
+        return [g.view_as(p) for g, p in zip(flat.split([p.numel() for p in params]), params)]
 
     def _update_bucket(
         self,
         params: list[torch.Tensor],
         *,
-        lr: float,
-        eps: float,
-        beta1: float,
-        beta2: float,
-        beta3: float,
-        bias_correction1: float,
-        bias_correction2: float,
-        weight_decay: float,
-        use_trust_ratio: bool,
-        clip: float,
+        group: dict[str, Any],
+        step: torch.Tensor,
+        scale: torch.Tensor,
+        taken: torch.Tensor,
     ) -> None:
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        dtype = exp_avgs[0].dtype
         low_precision = params[0].dtype in _LOW_PRECISION
         # Math runs in the moments' dtype; low-precision params work on fp32
         # copies that are written back at the end.
         work_params = [p.float() for p in params] if low_precision else params
-        grads = [p.grad for p in params]
-        if low_precision or grads[0].dtype != exp_avgs[0].dtype:
-            grads = [g.to(exp_avgs[0].dtype) for g in grads]
-            if clip != 1.0:
-                torch._foreach_mul_(grads, clip)
-        elif clip != 1.0:
-            grads = torch._foreach_mul(grads, clip)  # never modify p.grad
+        grads = self._scaled_grads(params, dtype, scale)  # zeros on a skipped step
 
-        torch._foreach_mul_(exp_avgs, beta1)
+        beta1, beta2 = group["betas"]
+        # .get: groups restored from state dicts written by other LAMB versions
+        beta3 = 1.0 - beta1 if group.get("grad_averaging", True) else 1.0
+        one = torch.ones((), dtype=dtype, device=step.device)
+        # On a skipped step the moments decay by 1 and gain 0 * 0: unchanged, bit for bit.
+        torch._foreach_mul_(exp_avgs, torch.where(taken, torch.full_like(one, beta1), one))
         torch._foreach_add_(exp_avgs, grads, alpha=beta3)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_mul_(exp_avg_sqs, torch.where(taken, torch.full_like(one, beta2), one))
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
         del grads
+
+        if group.get("bias_correction", True):
+            # step is >= 1 on taken steps; clamped so a skipped first step (step 0) stays finite.
+            t = torch.clamp(step.to(dtype), min=1.0)
+            bias_correction1 = 1.0 - torch.pow(beta1, t)
+            bias_correction2 = 1.0 - torch.pow(beta2, t)
+        else:
+            bias_correction1 = bias_correction2 = one
+        weight_decay = group["weight_decay"]
+        use_trust_ratio = group.get("use_nvlamb", False) or weight_decay != 0.0
+        # lr on taken steps, 0 on skipped ones: p - 0 * u == p.
+        lr = torch.where(taken, torch.full_like(one, group["lr"]), torch.zeros_like(one))
 
         # update = (m / bc1) / (sqrt(v / bc2) + eps) + wd * p, built in one buffer
         update = torch._foreach_div(exp_avg_sqs, bias_correction2)
         torch._foreach_sqrt_(update)
-        torch._foreach_add_(update, eps)
+        torch._foreach_add_(update, group["eps"])
         torch._foreach_reciprocal_(update)
         torch._foreach_mul_(update, exp_avgs)
-        if bias_correction1 != 1.0:
-            torch._foreach_div_(update, bias_correction1)
+        torch._foreach_div_(update, bias_correction1)
         if weight_decay != 0.0:
             torch._foreach_add_(update, work_params, alpha=weight_decay)
 
@@ -294,9 +336,9 @@ class Lamb(Optimizer):
                 both_nonzero, param_norms / torch.where(both_nonzero, update_norms, 1.0), 1.0
             )
             torch._foreach_mul_(update, list((ratios * lr).unbind(0)))
-            torch._foreach_sub_(work_params, update)
         else:
-            torch._foreach_add_(work_params, update, alpha=-lr)
+            torch._foreach_mul_(update, lr)
+        torch._foreach_sub_(work_params, update)
 
         if low_precision:
             torch._foreach_copy_(params, work_params)
