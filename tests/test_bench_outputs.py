@@ -108,3 +108,72 @@ def test_kernel_classes():
 
 def test_doubling_range():
     assert doubling(8, 100) == [8, 16, 32, 64]
+
+
+@pytest.mark.parametrize("name,label", [
+    ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"), ("NVIDIA L40", "L40"), ("NVIDIA A10", "A10"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA H200", "H200"), ("Tesla V100-PCIE-32GB", "V100 PCIe"),
+    ("NVIDIA GeForce RTX 2080 Ti", "RTX 2080 Ti"), ("NVIDIA A10G", None), ("NVIDIA GH200 480GB", None)])
+def test_gpu_names_match_whole_tokens(name, label):
+    """"l4" once matched "L40S" and "a10" "A100" (substrings); names now match by whole tokens."""
+    from tempo.bench.hardware import known_gpu, peak_tflops
+
+    assert known_gpu(name) == label
+    if label == "L40S":
+        assert peak_tflops(name, "bf16") == 362.05 and peak_tflops("NVIDIA L4", "bf16") == 121.0
+
+
+def test_ops_inputs_are_scaled_out_of_cache_and_record_their_bytes(tmp_path):
+    from tempo.bench.ops_bench import SHAPES, input_bytes, scaled_shape
+
+    tiny = SHAPES["tiny"]
+    assert scaled_shape("layernorm", tiny, torch.bfloat16, 0) == tiny
+    big = scaled_shape("layernorm", tiny, torch.bfloat16, 100_000)  # 8 KiB at batch 2 -> 13x
+    assert big["batch"] == 26 and input_bytes("layernorm", big, torch.bfloat16) >= 100_000
+    # bert-large on an H100 (50 MiB L2): every input gets past 2x L2
+    l2 = 50 * 2**20
+    for op in ("gelu", "layernorm", "combined"):
+        shape = scaled_shape(op, SHAPES["bert-large"], torch.bfloat16, 2 * l2)
+        assert input_bytes(op, shape, torch.bfloat16) >= 2 * l2 and shape["batch"] % 8 == 0
+    out = tmp_path / "ops.json"
+    assert bench_main(["ops", "--shapes", "tiny", "--no-compile", "--ops", "layernorm", "--modes", "fwd",
+                       "--warmup", "0", "--repeats", "1", "--device", "cpu", "--min-input-bytes", "64KiB",
+                       "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["min_input_bytes"] == 65536 and record["min_input_rule"] == "--min-input-bytes"
+    for row in record["rows"]:
+        assert row["input_bytes"] >= 65536 and row["batch"] == 2 * 8 and row["copy_gb_per_s"] > 0
+        assert row["fwd"]["bytes"] == 2 * row["input_bytes"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+@pytest.mark.parametrize("command", ["ops", "layer"])
+def test_cuda_device_with_an_index_is_a_cuda_device(command, capsys):
+    """"cuda:0" is recognised as CUDA (string comparisons took it for the CPU)."""
+    args = ["--shapes", "tiny", "--device", "cuda:0"] + (["--no-compile"] if command == "ops" else [])
+    assert bench_main([command, *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda:0: no CUDA GPU visible" in err[0]
+
+
+def test_layer_bench_masks_like_the_model(monkeypatch):
+    """Eager/Tempo attention get an additive mask in the compute dtype (no fp32 promotion of bf16
+    scores); sdpa gets none without padding, so its flash kernel may run."""
+    from tempo.bench import layer_bench
+    from tempo.bench.common import resolve_our_config
+    from tempo.bert import model as bert_model
+
+    seen = {}
+    original_forward = bert_model.BertLayer.forward
+
+    def spy(self, hidden, mask):
+        # the first call is bench_variant's own (the ledger table's layer forwards come later)
+        seen.setdefault(self.attention.self.attention_impl, None if mask is None else mask.dtype)
+        return original_forward(self, hidden, mask)
+
+    monkeypatch.setattr(bert_model.BertLayer, "forward", spy)
+    config = resolve_our_config("bert_tiny")
+    for variant in ("original", "sdpa", "tempo-floor"):
+        layer_bench.bench_variant(variant, config, 2, 16, "cpu", torch.bfloat16, ("fwd",), 0, 1, "bert_tiny.json")
+    assert seen == {"eager": torch.bfloat16, "sdpa": None, "efficient": None}

@@ -8,7 +8,10 @@ architecture whitepapers; TFLOPS):
   H100 PCIe       756                378           51.2
   H100 NVL        835                418           60.0
   H200 (SXM)      989                494.7         66.9   (same GH100 compute as H100 SXM)
+  H200 NVL        835                418           60.0
   A100 (SXM/PCIe) 312                156           19.5
+  L40S            362                183           91.6
+  L40             181                90.5          90.5
   L4              121                60            30.3
   A10             125                62.5          31.2
   V100 SXM2       125 (fp16 only)    -             15.7
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from typing import Any
@@ -37,21 +41,37 @@ import torch
 from tempo.choices import PRECISIONS
 from tempo.utils import git_commit
 
-# (name substrings that must all occur, lower case) -> peaks; first match wins, so the more
-# specific variants come first.
+# (name tokens that must all occur, lower case) -> peaks; first match wins, so the more specific
+# variants come first. A GPU name is split into tokens at spaces, dashes, underscores and
+# slashes ("NVIDIA A100-SXM4-80GB" -> nvidia, a100, sxm4, 80gb) and keys match whole tokens:
+# substring matching let "l4" match "L40S" and "a10" match "A100".
 _PEAKS: list[tuple[tuple[str, ...], str, dict[str, float]]] = [
     (("h100", "pcie"), "H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
     (("h100", "nvl"), "H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
     (("h100",), "H100 SXM", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    (("h200", "nvl"), "H200 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
     (("h200",), "H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9}),
     (("a100",), "A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (("l40s",), "L40S", {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+    (("l40",), "L40", {"bf16": 181.05, "fp16": 181.05, "tf32": 90.5, "fp32": 90.5}),
     (("l4",), "L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
     (("a10",), "A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
     (("v100", "pcie"), "V100 PCIe", {"fp16": 112.0, "tf32": 14.0, "fp32": 14.0}),
     (("v100",), "V100 SXM2", {"fp16": 125.0, "tf32": 15.7, "fp32": 15.7}),
-    (("2080 ti",), "RTX 2080 Ti", {"fp16": 53.8, "tf32": 13.4, "fp32": 13.4}),
+    (("2080", "ti"), "RTX 2080 Ti", {"fp16": 53.8, "tf32": 13.4, "fp32": 13.4}),
 ]
 
+
+def _name_tokens(name: str) -> set[str]:
+    return {t for t in re.split(r"[\s\-_/]+", name.lower()) if t}
+
+
+def _match(name: str) -> tuple[str, dict[str, float]] | None:
+    tokens = _name_tokens(name)
+    for keys, label, peaks in _PEAKS:
+        if all(k in tokens for k in keys):
+            return label, peaks
+    return None
 
 
 def device_name(device: torch.device | str) -> str:
@@ -63,22 +83,16 @@ def device_name(device: torch.device | str) -> str:
 
 def known_gpu(name: str) -> str | None:
     """The table's name for a GPU name as CUDA reports it, None when it is not in the table."""
-    lower = name.lower()
-    for keys, label, _ in _PEAKS:
-        if all(k in lower for k in keys):
-            return label
-    return None
+    found = _match(name)
+    return found[0] if found else None
 
 
 def peak_tflops(name: str, precision: str) -> float | None:
     """Dense peak TFLOPS of GPU ``name`` for ``precision``; None when unknown or unsupported."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
-    lower = name.lower()
-    for keys, _, peaks in _PEAKS:
-        if all(k in lower for k in keys):
-            return peaks.get(precision)
-    return None
+    found = _match(name)
+    return found[1].get(precision) if found else None
 
 
 def device_label(device: torch.device | str) -> str:
@@ -88,6 +102,15 @@ def device_label(device: torch.device | str) -> str:
         return "cpu"
     name = known_gpu(device_name(device)) or device_name(device)
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def l2_cache_bytes(device: torch.device | str) -> int | None:
+    """The GPU's L2 cache size in bytes (H100: 50 MiB); None on the CPU or when torch does not say."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+    return int(size) if size else None
 
 
 def measure_copy_bandwidth(device: torch.device | str, nbytes: int = 256 << 20, repeats: int = 10) -> float:

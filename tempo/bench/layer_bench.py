@@ -4,9 +4,13 @@ Shapes (batch x seq): ``--shapes substation`` (default): Substation's two BERT-l
 b8 l512 and b96 l128, i.e. s=512 and s=128; ``--shapes tiny``: b2 l32 of bert_tiny (for CPU
 tests); or ``--shape 8x512 --shape 32x128``. Config: bert_large unless --config names another.
 
-Variants: original (eager attention, nn.GELU/nn.LayerNorm), tempo (all Tempo layers), sdpa
-(original + sdpa attention), tempo-sdpa (Tempo GELU/LayerNorm + sdpa), compiled (original under
-torch.compile), hf-eager and hf-sdpa (HF transformers' BertLayer, when installed). Each: p20 /
+Variants: original (eager attention, nn.GELU/nn.LayerNorm), tempo (the paper's three Tempo
+layers), sdpa (original + sdpa attention), tempo-sdpa (Tempo GELU/LayerNorm + sdpa), tempo-floor
+(TempoChoice.floor(): every Tempo layer with efficient attention), compiled (original under
+torch.compile), hf-eager and hf-sdpa (HF transformers' BertLayer, when installed). There is no
+padding, so each gets the mask the full model would give it: none for sdpa/efficient attention
+(their fused kernels, flash included, can run), an all-zero additive mask in the compute dtype
+for eager and Tempo attention; HF's layer gets none. Each: p20 /
 p50 / p80 ms over --repeats after --warmup calls, under autocast in --precision, and the
 activation ledger's bytes for one forward (what the layer keeps for backward; the compiled
 variant has none: the ledger sees the eager graph only). "bwd" times backward alone (the
@@ -25,11 +29,11 @@ from tempo.choices import TempoChoice
 from tempo.bench.timing import spread, time_fn
 
 SHAPES = {"substation": [(8, 512), (96, 128)], "tiny": [(2, 32)]}
-VARIANTS = ("original", "tempo", "sdpa", "tempo-sdpa", "compiled", "hf-eager", "hf-sdpa")
+VARIANTS = ("original", "tempo", "sdpa", "tempo-sdpa", "tempo-floor", "compiled", "hf-eager", "hf-sdpa")
 MODES = ("fwd", "bwd", "fwd+bwd")
 # variant -> (ledger variant name in tempo.bench.ledger_table, options)
 _LEDGER_NAME = {"original": "original", "tempo": "tempo", "sdpa": "original+sdpa", "tempo-sdpa": "tempo+sdpa",
-                "hf-eager": "hf-eager", "hf-sdpa": "hf-sdpa"}
+                "tempo-floor": "tempo-floor", "hf-eager": "hf-eager", "hf-sdpa": "hf-sdpa"}
 
 
 def _parse_shape(text: str) -> tuple[int, int]:
@@ -40,8 +44,9 @@ def _parse_shape(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"shape must look like 8x512 (batch x seq), got {text!r}") from None
 
 
-def build_layer(variant: str, config: Any, device: str) -> tuple[Callable[..., torch.Tensor], bool]:
-    """(callable(hidden, mask) -> output, whether its input comes in the autocast dtype)."""
+def build_layer(variant: str, config: Any, device: str) -> tuple[Callable[..., torch.Tensor], bool, bool]:
+    """(callable(hidden, mask) -> output, whether its input comes in the autocast dtype,
+    whether it takes an additive mask when there is no padding)."""
     from tempo.bert.model import BertLayer
 
     if variant.startswith("hf-"):
@@ -59,28 +64,36 @@ def build_layer(variant: str, config: Any, device: str) -> tuple[Callable[..., t
             out = layer(hidden)  # no padding: HF skips the mask entirely
             return out[0] if isinstance(out, tuple) else out
 
-        return hf_call, False
+        return hf_call, False, False
     options = {
         "original": TempoChoice.original("eager"),
         "compiled": TempoChoice.original("eager"),
         "tempo": TempoChoice.full(attention="tempo"),
         "sdpa": TempoChoice.original("sdpa"),
         "tempo-sdpa": TempoChoice.full(attention="sdpa"),
+        "tempo-floor": TempoChoice.floor(),
     }[variant]
     layer = BertLayer(config, options).to(device).train()
+    # As tempo.bert.model.BertModel: sdpa/efficient get no mask without padding, the others an additive one.
+    wants_mask = options.attention not in ("sdpa", "efficient")
     if variant == "compiled":
-        return torch.compile(layer), False
-    return layer, options.layernorm
+        return torch.compile(layer), False, wants_mask
+    return layer, options.layernorm or options.dropout_add_layernorm, wants_mask
 
 
 def bench_variant(variant: str, config: Any, batch: int, seq: int, device: str, dtype: torch.dtype,
                   modes: tuple[str, ...], warmup: int, repeats: int, config_name: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    layer, low_precision_input = build_layer(variant, config, device)
-    autocast = (torch.autocast(device, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
+    layer, low_precision_input, wants_mask = build_layer(variant, config, device)
+    device_type = torch.device(device).type  # autocast takes "cuda", not "cuda:0"
+    autocast = (torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
     in_dtype = dtype if low_precision_input else torch.float32
     base = torch.randn(batch, seq, config.hidden_size, device=device, dtype=in_dtype)
-    mask = torch.zeros(batch, 1, 1, seq, device=device)
+    # No padding. Eager/Tempo attention get an all-zero additive mask in the compute dtype, as the
+    # model's additive_attention_mask builds it (an fp32 mask would promote bf16/fp16 scores to
+    # fp32: an extra cast and twice the bytes of the s x s scores); sdpa/efficient get none, so
+    # sdpa may pick its flash kernel. HF's layer is called without a mask.
+    mask = torch.zeros(batch, 1, 1, seq, device=device, dtype=dtype) if wants_mask else None
     state: dict[str, torch.Tensor] = {}
 
     def fresh_input() -> None:
@@ -140,7 +153,13 @@ def main(args: argparse.Namespace) -> int:
     config_name = args.config or ("bert_tiny" if args.shapes == "tiny" else "bert_large")
     config = resolve_our_config(config_name)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
-    if dtype == torch.float16 and device == "cpu":
+    try:
+        device_type = torch.device(device).type  # "cuda:0" is CUDA too
+    except RuntimeError:
+        raise BenchError(f"--device {device!r} is not a torch device") from None
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise BenchError(f"--device {device}: no CUDA GPU visible")
+    if dtype == torch.float16 and device_type == "cpu":
         raise BenchError("--precision fp16 needs a CUDA GPU")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())

@@ -4,6 +4,11 @@ Shapes (``--shapes bert-large``, default; B=8, L=512, bf16): GELU on [B·L, 4096
 [B·L, 1024], Combined on scores [B, 16, L, L] and values [B, 16, L, 64]. ``--shapes tiny``
 (B=2, L=32, hidden 64, 2 heads) runs anywhere in seconds, for tests on the CPU.
 
+Out of cache: at B=8 an input is 8-64 MB, which an H100's 50 MB L2 partly holds, so a timed
+loop would measure L2, not HBM. Each op's batch B is therefore raised (a multiple of the named
+B) until its first input holds at least ``--min-input-bytes`` (default on CUDA: 2x the GPU's L2
+cache; on the CPU: no minimum). Each row records its batch, its input bytes and the rule.
+
 Implementations: "tempo" (the Tempo layer; Triton on CUDA, the reference path elsewhere),
 "eager" (nn.GELU / nn.LayerNorm / matmul(dropout(softmax(x)), v)), "compiled" (torch.compile
 of the eager one; --no-compile leaves it out). Modes: fwd, bwd (graph built untimed), both.
@@ -17,12 +22,15 @@ implementation (so a higher GB/s is simply faster), e = element size, N = elemen
              fwd: read x, write softmax s, read v, write out = (2P + 2V)·e
              bwd: read grad_out, s and v, write grad_x and grad_v = (2P + 3V)·e
 "both" moves the sum. The ceiling is the measured device-to-device copy bandwidth (read+write,
-hardware.measure_copy_bandwidth); "of copy" is GB/s / that figure.
+hardware.measure_copy_bandwidth) of a buffer the size of the op's first input, measured once per
+op; "of copy" is GB/s / that figure. The record also keeps one copy figure at a fixed size
+(256 MiB on CUDA) as ``copy_bandwidth_gb_per_s``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 import torch
@@ -84,6 +92,24 @@ def op_inputs(op: str, shape: dict[str, int], dtype: torch.dtype, device: str) -
     return [torch.randn(b, h, s, s, device=device, dtype=dtype), torch.randn(b, h, s, d, device=device, dtype=dtype)]
 
 
+def input_bytes(op: str, shape: dict[str, int], dtype: torch.dtype) -> int:
+    """Bytes of the op's first input (x, or the scores for Combined) at ``shape``."""
+    e = torch.empty((), dtype=dtype).element_size()
+    rows = shape["batch"] * shape["seq"]
+    if op == "gelu":
+        return rows * shape["intermediate"] * e
+    if op == "layernorm":
+        return rows * shape["hidden"] * e
+    return shape["batch"] * shape["heads"] * shape["seq"] * shape["seq"] * e
+
+
+def scaled_shape(op: str, shape: dict[str, int], dtype: torch.dtype, min_bytes: int) -> dict[str, int]:
+    """``shape`` with its batch multiplied (by the smallest integer) so the input holds >= min_bytes."""
+    have = input_bytes(op, shape, dtype)
+    factor = max(1, math.ceil(min_bytes / have)) if min_bytes > 0 else 1
+    return {**shape, "batch": shape["batch"] * factor}
+
+
 def bytes_moved(op: str, mode: str, inputs: list[torch.Tensor]) -> int:
     """The documented minimum traffic (module docstring)."""
     e = inputs[0].element_size()
@@ -139,17 +165,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(MODES), help="comma list of fwd,bwd,both")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--device", default=None)
+    p.add_argument("--min-input-bytes", type=_bytes_arg, default=None,
+                   help="raise each op's batch until its input holds this many bytes, e.g. 100MB "
+                        "(default: 2x the L2 cache on CUDA, 0 on the CPU)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--out", default=None, help="JSON output file")
 
 
+def _bytes_arg(text: str) -> int:
+    from tempo.utils import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")
+    return value
+
+
 def main(args: argparse.Namespace) -> int:
-    from tempo.bench.hardware import environment, measure_copy_bandwidth
+    from tempo.bench.hardware import environment, l2_cache_bytes, measure_copy_bandwidth
     from tempo.bench.results import write_json
     from tempo.bench.common import BenchError
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        on_cuda = torch.device(device).type == "cuda"  # "cuda:0" is CUDA too
+    except RuntimeError:
+        raise BenchError(f"--device {device!r} is not a torch device") from None
+    if on_cuda and not torch.cuda.is_available():
+        raise BenchError(f"--device {device}: no CUDA GPU visible")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -158,23 +205,45 @@ def main(args: argparse.Namespace) -> int:
         raise BenchError(f"unknown ops/modes {sorted(bad)}")
     impls = [i for i in IMPLS if not (args.no_compile and i == "compiled")]
     shape = SHAPES[args.shapes]
-    copy_gbps = measure_copy_bandwidth(device, nbytes=(256 << 20) if device == "cuda" else (16 << 20),
-                                       repeats=10 if device == "cuda" else 3)
-    print(f"device-to-device copy: {copy_gbps:.1f} GB/s (read + write)")
+    l2 = l2_cache_bytes(device)
+    if args.min_input_bytes is not None:
+        min_bytes, rule = args.min_input_bytes, "--min-input-bytes"
+    elif on_cuda:
+        if l2 is None:
+            raise BenchError("this torch does not report the GPU's L2 cache size; pass --min-input-bytes "
+                             "(e.g. 2x the L2 size)")
+        min_bytes, rule = 2 * l2, "2x L2"
+    else:
+        min_bytes, rule = 0, "none (CPU)"
+    copy_gbps = measure_copy_bandwidth(device, nbytes=(256 << 20) if on_cuda else (16 << 20),
+                                       repeats=10 if on_cuda else 3)
+    print(f"device-to-device copy: {copy_gbps:.1f} GB/s (read + write, 256 MiB)" if on_cuda else
+          f"device-to-device copy: {copy_gbps:.1f} GB/s (read + write, 16 MiB)")
     rows = []
     for op in ops:
+        op_shape = scaled_shape(op, shape, dtype, min_bytes)
+        nbytes = input_bytes(op, op_shape, dtype)
+        # The ceiling for this op: a copy of a buffer as large as its input (same cache regime).
+        op_copy_gbps = measure_copy_bandwidth(device, nbytes=nbytes, repeats=10 if on_cuda else 3)
+        print(f"{op}: batch {op_shape['batch']}, input {nbytes / 1e6:.1f} MB, copy of that size "
+              f"{op_copy_gbps:.1f} GB/s", flush=True)
         for impl in impls:
             try:
-                row = bench_op(op, impl, shape, dtype, device, modes, args.warmup, args.repeats)
+                row = bench_op(op, impl, op_shape, dtype, device, modes, args.warmup, args.repeats)
                 row["status"] = "ok"
                 for mode in modes:
-                    row[mode]["of_copy_bandwidth"] = row[mode]["gb_per_s"] / copy_gbps
+                    row[mode]["of_copy_bandwidth"] = row[mode]["gb_per_s"] / op_copy_gbps
+            except torch.OutOfMemoryError as exc:
+                row = {"op": op, "impl": impl, "status": "oom", "message": str(exc).strip().splitlines()[0]}
+                torch.cuda.empty_cache()
             except (ImportError, RuntimeError) as exc:
                 row = {"op": op, "impl": impl, "status": "skipped",
                        "message": str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}
+            row.update(batch=op_shape["batch"], input_bytes=nbytes, copy_gb_per_s=op_copy_gbps)
             rows.append(row)
             print(_format_row(row, modes), flush=True)
     record = {"kind": "ops", "env": environment(device), "shapes": args.shapes, "shape": shape, "dtype": args.dtype,
+              "min_input_bytes": min_bytes, "min_input_rule": rule, "l2_cache_bytes": l2,
               "copy_bandwidth_gb_per_s": copy_gbps, "modes": list(modes), "rows": rows}
     if args.out:
         write_json(args.out, record)

@@ -95,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     cfg = dataclasses.replace(cfg, warmup=max(cfg.warmup, 2))
     cfg.validate()
-    on_cuda = (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    # Compare device types, not strings: "cuda:0" is CUDA too.
+    on_cuda = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
     out_dir = Path(args.out_dir) if args.out_dir else new_results_dir(args.results_root, "cuda" if on_cuda else "cpu")
     out_dir.mkdir(parents=True, exist_ok=True)
     captured: dict[str, Any] = {}
