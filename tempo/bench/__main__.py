@@ -7,9 +7,11 @@
   ops        each Tempo layer alone vs eager PyTorch and torch.compile, with GB/s
   profile    torch.profiler over a few train steps: GEMM vs memory-bound share, top kernels
   report     PNG plots and a markdown table from a results directory
+  gpu-suite  everything a GPU must confirm, one command (tests, ops, layer, train, max-batch, SQuAD)
 
-Exit status: 0 ok, 1 bad configuration, 2 a max-batch probe failed for another reason than
-memory, 3 out of memory (real, or simulated by --memory-budget).
+Exit status: 0 ok, 1 bad configuration (or no GPU for gpu-suite), 2 a max-batch probe failed for
+another reason than memory, 3 out of memory (real, or simulated by --memory-budget), 4 a
+gpu-suite stage did not finish (its summary.md says which), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ SUBCOMMANDS = {
     "ops": ("tempo.bench.ops_bench", "each Tempo op vs eager and compiled PyTorch"),
     "profile": ("tempo.bench.profile", "torch.profiler over train steps"),
     "report": ("tempo.bench.report", "plots and markdown from a results directory"),
+    "gpu-suite": ("tempo.bench.gpu_suite", "the whole GPU check, results/<gpu>/<time>/summary.md"),
 }
 
 
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from tempo.bench.common import OOM_EXIT, BenchError, SimulatedOOM
 
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for the records
     where = f"{PROG} {args.subcommand}"
     try:
         return int(args._module.main(args) or 0)

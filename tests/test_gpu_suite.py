@@ -1,0 +1,224 @@
+"""The GPU suite's machinery, on the CPU: --dry-run, the no-CUDA error, stages that fail or run out
+of time (recorded, the suite goes on, the children stopped), the reports read from raw data, and
+a real max-batch stage against a stand-in probe. The GPU work itself is tests/test_gpu.py."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tempo.bench import gpu_suite
+from tempo.bench.__main__ import main as bench_main
+
+REPO = Path(__file__).resolve().parents[1]
+no_cuda_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA behaviour")
+
+
+def _dry_run(capsys, *extra):
+    assert bench_main(["gpu-suite", "--dry-run", *extra]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    return lines[0], [line.split("\t") for line in lines[1:]]
+
+
+def test_dry_run_prints_every_stage_command(capsys, tmp_path):
+    out = tmp_path / "run"
+    header, rows = _dry_run(capsys, "--out-dir", str(out))
+    assert "16 stages" in header and str(out) in header
+    assert not out.exists()  # a dry run writes nothing
+    names = [r[0] for r in rows]
+    assert names[:3] == ["gpu-tests", "ops", "layer"]
+    assert names[3:9] == [f"train-s{s}-{v}" for s in (128, 512) for v in ("original", "tempo", "tempo-sdpa")]
+    assert names[9] == "squad" and names[10:] == [f"maxbatch-s{s}-{v}" for s in (128, 512)
+                                                  for v in ("original", "tempo", "tempo-sdpa")]
+    commands = {r[0]: shlex.split(r[2]) for r in rows}
+    assert all(float(r[1]) > 0 for r in rows)
+    assert commands["gpu-tests"][1:5] == ["-m", "pytest", "-m", "gpu"]
+    assert "--junitxml" in commands["gpu-tests"]
+    assert commands["ops"][3] == "ops" and commands["layer"][3] == "layer"
+    assert {"hf-eager", "hf-sdpa"} <= set(commands["layer"][commands["layer"].index("--variants") + 1].split(","))
+    sdpa = commands["train-s512-tempo-sdpa"]
+    assert sdpa[3] == "train" and sdpa[sdpa.index("--seq-len") + 1] == "512"
+    assert sdpa[sdpa.index("--attention") + 1] == "sdpa" and "--tempo" in sdpa
+    assert "--tempo" not in commands["train-s128-original"]
+    squad = commands["squad"]
+    assert squad[2] == "tempo.bench.squad_benchmark" and squad[squad.index("--max_seq_length") + 1] == "384"
+    mb = commands["maxbatch-s128-tempo"]
+    assert mb[3] == "max-batch" and "--max" in mb and "--timeout" in mb
+    probe = mb[mb.index("--command") + 1]
+    assert "{batch}" in probe and "--tempo" in probe and probe.endswith("* 64 ))")
+    for name, argv in commands.items():
+        if "--out" in argv:
+            assert Path(argv[argv.index("--out") + 1]).parent == out.resolve(), name
+
+
+def test_dry_run_selects_stages_by_prefix(capsys):
+    _, rows = _dry_run(capsys, "--stages", "maxbatch-s512,ops")
+    assert [r[0] for r in rows] == ["ops", "maxbatch-s512-original", "maxbatch-s512-tempo", "maxbatch-s512-tempo-sdpa"]
+
+
+def test_unknown_stage_is_one_error_line(capsys):
+    assert bench_main(["gpu-suite", "--dry-run", "--stages", "nope"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stages" in err[0] and "nope" in err[0]
+
+
+@no_cuda_only
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "tempo.bench", "gpu-suite"],
+                                     ["bash", str(REPO / "scripts" / "gpu_check.sh")]], ids=["module", "script"])
+def test_without_cuda_exits_nonzero_with_one_line(command, tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(command + ["--results-root", str(tmp_path)], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "gpu-suite: error: no CUDA GPU visible" in lines[0] and "--dry-run" in lines[0]
+    assert result.stdout == "" and not any(tmp_path.iterdir())
+
+
+def test_gpu_check_script_passes_arguments_through():
+    assert os.access(REPO / "scripts" / "gpu_check.sh", os.X_OK)
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--stages", "layer"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[1].startswith("layer\t")
+
+
+@no_cuda_only
+def test_gpu_tests_fail_when_selected_without_cuda():
+    """`pytest -m gpu` on a machine without CUDA must fail, not skip (and say why)."""
+    env = {k: v for k, v in os.environ.items() if k != "TEMPO_GPU_TESTS_ON_CPU"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                             str(REPO / "tests" / "test_gpu.py"), "-k", "inplace_gelu"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert result.returncode != 0
+    assert "needs a CUDA GPU, but torch.cuda.is_available() is False" in result.stdout
+    assert "3 error" in result.stdout and "skipped" not in result.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# The runner: failures and timeouts are recorded, the suite goes on, children are stopped
+# ------------------------------------------------------------------------------------------------
+def _py(code):
+    return [sys.executable, "-c", code]
+
+
+def test_failing_and_timed_out_stages_are_recorded_and_the_suite_goes_on(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    stages = [
+        gpu_suite.Stage("first", _py("import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('{}'); print('hello')")
+                        + [str(tmp_path / "first.json")], timeout_s=60, outputs=["first.json"]),
+        gpu_suite.Stage("broken", _py("import sys; print('step 1'); print('Traceback: boom', file=sys.stderr); sys.exit(3)"),
+                        timeout_s=60),
+        # a stage that starts a child and hangs: the timeout must stop both (the process group)
+        gpu_suite.Stage("hangs", _py("import subprocess, sys, time, pathlib; "
+                                     "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+                                     f"pathlib.Path({str(pid_file)!r}).write_text(str(c.pid)); "
+                                     "print('waiting', flush=True); time.sleep(300)"), timeout_s=3),
+        gpu_suite.Stage("after", _py("print('still run')"), timeout_s=60),
+    ]
+    header = {"command": "test", "env": {"device_name": "CPU stand-in"}}
+    start = time.monotonic()
+    results = gpu_suite.run_suite(stages, tmp_path, time_limit_s=120, header=header, cwd=tmp_path)
+    assert time.monotonic() - start < 60
+    assert [r.status for r in results] == ["ok", "failed", "timeout", "ok"]
+    assert results[0].outputs == ["first.json"] and results[1].returncode == 3
+    assert "Traceback: boom" in results[1].log_tail and "waiting" in results[2].log_tail
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the timed-out stage's child is still running"
+    suite = json.loads((tmp_path / "suite.json").read_text())
+    assert [s["status"] for s in suite["stages"]] == ["ok", "failed", "timeout", "ok"]
+    assert (tmp_path / "logs" / "broken.log").read_text().startswith("$ ")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Did not finish" in summary and "**broken**: failed (exit 3)" in summary
+    assert "**hangs**: timeout (stopped after 3 s)" in summary
+    for stage in stages:  # every command is visible
+        assert stage.command in summary
+    assert "Traceback: boom" in summary  # the tail of what failed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) counts as stopped
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def test_time_limit_leaves_later_stages_not_run_and_a_summary(tmp_path, monkeypatch):
+    stages = [gpu_suite.Stage("slow", _py("import time; time.sleep(4)"), timeout_s=60),
+              gpu_suite.Stage("never", _py("print(1)"), timeout_s=60)]
+    monkeypatch.setattr(gpu_suite, "MIN_STAGE_S", 5)
+    # 8 s for the suite: "slow" may use them all, then less than 5 s are left
+    results = gpu_suite.run_suite(stages, tmp_path, time_limit_s=8.0, header={"env": {}}, cwd=tmp_path)
+    assert [r.status for r in results] == ["ok", "not-run"]
+    assert "time limit" in results[1].note
+    summary = (tmp_path / "summary.md").read_text()
+    assert "**never**: not-run (suite time limit (8 s) reached)" in summary
+
+
+def test_summary_reads_the_raw_data_and_sets_it_beside_the_anchors(tmp_path):
+    def train(speed, mfu, peak):
+        return {"samples_per_s": speed, "mfu": mfu, "memory": {"peak_allocated_bytes": peak}}
+
+    (tmp_path / "train-s128-original.json").write_text(json.dumps(train(1160.0, 0.28, 40 * 2**30)))
+    (tmp_path / "train-s128-tempo.json").write_text(json.dumps(train(1218.0, 0.30, 30 * 2**30)))
+    (tmp_path / "maxbatch-s128-original.json").write_text(json.dumps({"max_batch": 9}))  # units of 64
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "maxbatch-s128-tempo.log").write_text("  batch 8: fits\n  batch 16: out of memory\n"
+                                                               "  batch 12: fits\n")
+    (tmp_path / "gpu_tests.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_gpu" name="a"/>'
+        '<testcase classname="tests.test_gpu" name="b"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="c"><skipped/></testcase></testsuite></testsuites>')
+    squad = tmp_path / "squad" / "h100" / "20260101-000000"
+    squad.mkdir(parents=True)
+    (squad / "result_original_bf16.json").write_text(json.dumps(
+        {"mode": "original", "precision": "bf16", "max_batch": 48, "sequences_per_second": 221.0, "error": None}))
+    (tmp_path / "ops.json").write_text(json.dumps({"copy_bandwidth_gb_per_s": 2900.0, "l2_cache_bytes": 50 * 2**20,
+        "rows": [{"op": "gelu", "impl": "tempo", "status": "ok", "batch": 32, "input_bytes": 134217728,
+                  "fwd": {"gb_per_s": 2500.0}, "bwd": {"gb_per_s": 2400.0},
+                  "both": {"gb_per_s": 2450.0, "of_copy_bandwidth": 0.85}}]}))
+    results = [gpu_suite.StageResult("train-s128-original", "cmd a", "ok", 75, seconds=30.0),
+               gpu_suite.StageResult("maxbatch-s128-tempo", "cmd b", "timeout", 100, seconds=100.0,
+                                     note="stopped after 100 s")]
+    text = gpu_suite.summary_markdown(tmp_path, {"command": "c", "env": {"device_name": "NVIDIA H100 80GB HBM3"}},
+                                      results)
+    assert "| 128 | original | 128 | 1160.0 | 28.0% | 2.00x | 0.63x | 576 | 40.0 |" in text
+    assert "| 128 | Tempo | 128 | 1218.0 | 30.0% | 2.10x | 0.66x | >= 768 | 30.0 |" in text
+    assert "| 512 | original | 32 | n/a |" in text  # no record: its stage's status
+    assert "1 passed, 1 failed, 0 errors, 1 skipped" in text and "FAILED tests.test_gpu::b" in text
+    assert "| original | 48 | 221.0 | 2.00x |" in text
+    assert "| gelu | tempo | 32 | 134 | 2500 | 2400 | 2450 | 85% |" in text
+    assert "580 seq/s at s=128" in text and "1850" in text
+    assert "`cmd a`" not in text and "  cmd a" in text  # the commands, in code blocks
+
+
+def test_maxbatch_stage_finds_the_batch_on_its_grid(tmp_path):
+    """The real max-batch stage command, with a stand-in probe that 'fits' up to 600 sequences."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/sh\n"
+                    "for last; do :; done\n"  # the last argument is the batch size
+                    'if [ "$last" -le 600 ]; then exit 0; fi\n'
+                    'echo "python -m tempo.bench train: out of memory: CUDA out of memory (stand-in)"; exit 3\n')
+    fake.chmod(0o755)
+    stage = next(s for s in gpu_suite.build_stages(tmp_path, "cpu", probe_python=str(fake))
+                 if s.name == "maxbatch-s128-original")
+    result = gpu_suite.run_stage(stage, tmp_path, timeout_s=120, cwd=REPO)
+    assert result.status == "ok", result.log_tail
+    record = json.loads((tmp_path / "maxbatch-s128-original.json").read_text())
+    assert record["max_batch"] == 9  # 9 x 64 = 576 <= 600 < 640
+    assert [p["batch"] for p in record["probes"]] == [8, 16, 12, 10, 9]
+    assert gpu_suite._maxbatch_text(tmp_path, result, 128, "original", 64) == "576"
