@@ -143,7 +143,7 @@ class PretrainingBatches:
 
     def __init__(self, input_dir: str | os.PathLike, batch_size: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, max_seq_length: int | None = None,
-                 max_predictions_per_seq: int | None = None, pin_memory: bool = False):
+                 max_predictions_per_seq: int | None = None, pin_memory: bool | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
@@ -151,7 +151,9 @@ class PretrainingBatches:
         self.shards = list_shards(input_dir)
         self.batch_size, self.seed = batch_size, seed
         self.rank, self.world_size = rank, world_size
-        self.num_workers, self.pin_memory = num_workers, pin_memory
+        # None: pin when CUDA is available, so the trainer's non_blocking host->device copies overlap.
+        self.num_workers = num_workers
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.sizes = []
         for path in self.shards:  # headers only: cheap, and fails before training starts
             n, length, predictions = shard_shapes(path)
