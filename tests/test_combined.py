@@ -4,6 +4,7 @@ The fp64 reference uses the very keep-mask the op drew (``dropout_keep_mask`` re
 from the seed), so outputs and gradients are compared element by element, dropout included.
 """
 
+import logging
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tempo.combined import Combined, combined_softmax_dropout_matmul
 from tempo.memory import ActivationLedger
+from tempo.ops import _backend, combined
 from tempo.ops._backend import triton_usable_for, use_backend
 from tempo.ops.combined import _combined_bwd_op, _combined_fwd_op, dropout_keep_mask
 
@@ -300,7 +302,8 @@ def test_opcheck(backend, device):
     x.requires_grad_()
     v.requires_grad_()
     seed = torch.tensor(21, device=device)
-    for args in [(x, v, seed, 0.2, 2, True, torch.float32), (x, v, seed, 0.0, 1, False, torch.float32)]:
+    for args in [(x, v, seed, 0.2, 2, True, torch.float32, backend),
+                 (x, v, seed, 0.0, 1, False, torch.float32, backend)]:
         torch.library.opcheck(_combined_fwd_op, args)
     g = torch.randn(2, 3, 4, device=device)
     s = torch.softmax(x.detach(), -1)
@@ -326,6 +329,65 @@ def test_backward_uses_the_forward_backend(device):
     with use_backend("reference"):
         out.backward(g.clone())
     _close(x.grad, _reference(x, v, g, keep, 0.5)[1], torch.float32)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_long_rows_two_pass_kernels(backend, device, p):
+    """Rows over SINGLE_PASS_MAX: the chunked kernels (online max/sum, two passes), with a
+    finfo.min-masked tail and a fully -inf row."""
+    n = combined.SINGLE_PASS_MAX + 37  # 3 chunks, the last partial
+    x, v = _inputs((1, 1, 3, n), (1, 1, n, 2), torch.float32, device)
+    x[..., -40:] = torch.finfo(torch.float32).min
+    x[0, 0, 2, :] = float("-inf")
+    g = torch.randn(1, 1, 3, 2, device=device)
+    seed = torch.tensor(77, device=device)
+    out, dx, dv = _run(x, v, g, p, seed=seed)
+    keep = dropout_keep_mask(seed, x.shape, p, device, backend) if p else None
+    ref_out, ref_dx, ref_dv = _reference(x[:, :, :2], v, g[:, :, :2], None if keep is None else keep[:, :, :2], p)
+    _close(out[:, :, :2], ref_out, torch.float32)
+    _close(dx[:, :, :2], ref_dx, torch.float32)
+    _close(dv, ref_dv, torch.float32)  # the -inf row has probabilities 0: it adds nothing to dv
+    assert torch.equal(out[0, 0, 2], torch.zeros(2, device=device))
+    assert torch.equal(dx[0, 0, 2], torch.zeros(n, device=device))
+
+
+def test_rows_over_the_triton_limit_fall_back_logged_once(backend, device, caplog, monkeypatch):
+    monkeypatch.setattr(_backend, "_logged_once", set())
+    n = combined.MAX_TRITON_ROW + 1
+    x, v = _inputs((1, 1, 1, n), (1, 1, n, 2), torch.float32, device)
+    g = torch.randn(1, 1, 1, 2, device=device)
+    seed = torch.tensor(5, device=device)
+    launched = []
+    original = combined._triton_softmax_dropout_backward
+    monkeypatch.setattr(combined, "_triton_softmax_dropout_backward",
+                        lambda *a, **k: launched.append(1) or original(*a, **k))
+    with caplog.at_level(logging.WARNING, logger="tempo"):
+        out, dx, dv = _run(x, v, g, 0.1, seed=seed)
+        _run(x, v, g, 0.1, seed=seed)
+    # Forward and backward both ran the reference path: its mask is the one applied.
+    keep = dropout_keep_mask(seed, x.shape, 0.1, device, "reference")
+    for got, want in zip((out, dx, dv), _reference(x, v, g, keep, 0.1)):
+        _close(got, want, torch.float32)
+    assert launched == []
+    fallbacks = [r for r in caplog.records if r.name == "tempo" and "reference path" in r.getMessage()]
+    assert len(fallbacks) == (1 if backend == "triton" else 0)
+
+
+def test_backward_walks_the_batch_in_chunks(backend, device, monkeypatch):
+    """dD = g @ vᵀ never exists at full b·heads·s² size: the backward takes the flattened batch
+    in ~BACKWARD_CHUNKS chunks, and the gradients match the whole-batch reference exactly."""
+    name = "_triton_softmax_dropout_backward" if backend == "triton" else "_softmax_backward_reference"
+    chunk_batches = []
+    original = getattr(combined, name)
+    monkeypatch.setattr(combined, name, lambda dd, *a, **k: chunk_batches.append(dd.shape[0]) or original(dd, *a, **k))
+    x, v = _inputs((4, 4, 3, 6), (4, 4, 6, 2), torch.float32, device)  # 16 (b, head) pairs
+    g = torch.randn(4, 4, 3, 2, device=device)
+    seed = torch.tensor(9, device=device)
+    out, dx, dv = _run(x, v, g, 0.3, seed=seed)
+    assert chunk_batches == [2] * 8  # 16 / BACKWARD_CHUNKS per chunk
+    keep = dropout_keep_mask(seed, x.shape, 0.3, device, backend)
+    for got, want in zip((out, dx, dv), _reference(x, v, g, keep, 0.3)):
+        _close(got, want, torch.float32)
 
 
 def test_compile_fullgraph(device):

@@ -20,7 +20,8 @@ Semantics
     backward uses the backend its forward ran on (recorded at forward time), so the mask matches
     even when backward runs outside the forward's ``use_backend`` block.
   * The Triton path handles softmax rows of up to ``MAX_TRITON_ROW`` elements (one program per
-    row); longer rows raise and point at the reference backend.
+    row: rows up to ``SINGLE_PASS_MAX`` held in registers, longer ones walked in chunks twice);
+    longer rows run on the reference path, logged once, and so does their backward.
   * Dtypes: ``s`` is stored in ``x``'s dtype; the probabilities are cast to ``v``'s dtype for
     the matmul, so the output has ``v``'s dtype. Under autocast (custom ops are not on
     autocast's lists, so the module decides) fp32/fp16/bf16 ``x`` and ``v`` behave like
@@ -34,6 +35,7 @@ Semantics
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -44,6 +46,7 @@ from tempo.ops._backend import (
     autocast_dtype_for,
     check_float_tensor,
     check_probability,
+    log_fallback_once,
     resolve_backend,
 )
 
@@ -55,19 +58,31 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None
 
 _OP = "combined_softmax_dropout_matmul"
-# One program handles one whole row; Triton caps a block at 2**20 elements, and rows this long
-# would spill registers anyway. Attention rows are far shorter.
+# Softmax rows longer than this run on the reference path (logged once); attention rows are
+# far shorter.
 MAX_TRITON_ROW = 65536
+# Rows up to this length are held in registers by one program (one read of each input); longer
+# rows are walked in LONG_BLOCK chunks, twice (a whole 16384-row in registers spills: measured
+# with `python -m tempo.ops.compile_check`).
+SINGLE_PASS_MAX = 8192
+LONG_BLOCK = 4096
+_LONG_WARPS = 8
+# Elementwise kernels (the dropout mask / output regenerated from the seed).
+_FLAT_BLOCK = 1024
+# The backward walks the flattened batch (b·heads) in about this many chunks; see _combined_bwd_op.
+BACKWARD_CHUNKS = 8
 
 
 # ----------------------------------------------------------------------------------------
-# Triton kernels: one program per row of the (dim-moved-last, contiguous) tensor.
+# Triton kernels: one program per row of the (dim-moved-last, contiguous) tensor. The dropout
+# mask's philox counter is the element's flat index in that whole tensor (plus ``rng_base`` for
+# a kernel that sees a slice starting at flat index rng_base), so every kernel regenerates the
+# forward's mask.
 # ----------------------------------------------------------------------------------------
 if triton is not None:
 
     @triton.jit
     def _keep_from_seed(seed_ptr, offsets, p):
-        # The flat element index is the philox counter, so any kernel regenerates the same mask.
         seed = tl.load(seed_ptr)
         return tl.rand(seed, offsets) >= p
 
@@ -94,23 +109,56 @@ if triton is not None:
             tl.store(d_ptr + offsets, probs.to(d_ptr.dtype.element_ty), mask=in_row)
 
     @triton.jit
-    def _dropout_from_seed_kernel(s_ptr, out_ptr, seed_ptr, n_cols, p, scale,
-                                  WRITE_MASK: tl.constexpr, BLOCK: tl.constexpr):
-        # WRITE_MASK: out = keep mask (uint8); else out = s * keep * scale (the dropout output).
+    def _softmax_dropout_fwd_long_kernel(x_ptr, s_ptr, d_ptr, seed_ptr, n_cols, p, scale,
+                                         HAS_DROPOUT: tl.constexpr, WRITE_D: tl.constexpr,
+                                         BLOCK: tl.constexpr):
+        # Rows longer than SINGLE_PASS_MAX. Pass 1: running max and sum of exp per lane over the
+        # chunks (online softmax), combined at the end; pass 2 rereads x and writes s (and d).
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        in_row = cols < n_cols
-        offsets = row * n_cols + cols
-        keep = _keep_from_seed(seed_ptr, offsets, p)
-        if WRITE_MASK:
-            tl.store(out_ptr + offsets, keep.to(tl.uint8), mask=in_row)
-        else:
-            s = tl.load(s_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
-            tl.store(out_ptr + offsets, tl.where(keep, s * scale, 0.0).to(out_ptr.dtype.element_ty),
-                     mask=in_row)
+        base = row * n_cols
+        lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
+        lane_total = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+            new_max = tl.maximum(lane_max, x)
+            shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # all -inf so far: no NaN
+            lane_total = lane_total * tl.exp(lane_max - shift) + tl.exp(x - shift)
+            lane_max = new_max
+        row_max = tl.max(lane_max, axis=0)
+        row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
+        total = tl.sum(lane_total * tl.exp(lane_max - row_max), axis=0)
+        total = tl.where(total == 0.0, 1.0, total)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            in_row = cols < n_cols
+            offsets = base + cols
+            x = tl.load(x_ptr + offsets, mask=in_row, other=-float("inf")).to(tl.float32)
+            probs = tl.exp(x - row_max) / total
+            tl.store(s_ptr + offsets, probs.to(s_ptr.dtype.element_ty), mask=in_row)
+            if HAS_DROPOUT:
+                keep = _keep_from_seed(seed_ptr, offsets, p)
+                probs = tl.where(keep, probs * scale, 0.0)
+            if WRITE_D:
+                tl.store(d_ptr + offsets, probs.to(d_ptr.dtype.element_ty), mask=in_row)
 
     @triton.jit
-    def _softmax_dropout_bwd_kernel(dd_ptr, s_ptr, dx_ptr, seed_ptr, n_cols, p, scale,
+    def _dropout_from_seed_kernel(s_ptr, out_ptr, seed_ptr, n_elements, rng_base, p, scale,
+                                  WRITE_MASK: tl.constexpr, BLOCK: tl.constexpr):
+        # Elementwise over the flat tensor. WRITE_MASK: out = keep mask (uint8); else
+        # out = s * keep * scale (the dropout output).
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offsets < n_elements
+        keep = _keep_from_seed(seed_ptr, offsets + rng_base, p)
+        if WRITE_MASK:
+            tl.store(out_ptr + offsets, keep.to(tl.uint8), mask=in_range)
+        else:
+            s = tl.load(s_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offsets, tl.where(keep, s * scale, 0.0).to(out_ptr.dtype.element_ty),
+                     mask=in_range)
+
+    @triton.jit
+    def _softmax_dropout_bwd_kernel(dd_ptr, s_ptr, dx_ptr, seed_ptr, n_cols, rng_base, p, scale,
                                     HAS_DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
         # dS = dD * mask * scale; dx = s * (dS - sum(dS * s)).
         row = tl.program_id(0).to(tl.int64)
@@ -119,25 +167,52 @@ if triton is not None:
         offsets = row * n_cols + cols
         ds = tl.load(dd_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            keep = _keep_from_seed(seed_ptr, offsets, p)
+            keep = _keep_from_seed(seed_ptr, offsets + rng_base, p)
             ds = tl.where(keep, ds * scale, 0.0)
         s = tl.load(s_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
         dot = tl.sum(ds * s, axis=0)
         tl.store(dx_ptr + offsets, (s * (ds - dot)).to(dx_ptr.dtype.element_ty), mask=in_row)
 
+    @triton.jit
+    def _softmax_dropout_bwd_long_kernel(dd_ptr, s_ptr, dx_ptr, seed_ptr, n_cols, rng_base, p, scale,
+                                         HAS_DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
+        # Rows longer than SINGLE_PASS_MAX: pass 1 sums dS * s over the chunks, pass 2 rereads
+        # (and regenerates the mask) to write dx.
+        row = tl.program_id(0).to(tl.int64)
+        base = row * n_cols
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            in_row = cols < n_cols
+            ds = tl.load(dd_ptr + base + cols, mask=in_row, other=0.0).to(tl.float32)
+            if HAS_DROPOUT:
+                keep = _keep_from_seed(seed_ptr, base + cols + rng_base, p)
+                ds = tl.where(keep, ds * scale, 0.0)
+            acc += ds * tl.load(s_ptr + base + cols, mask=in_row, other=0.0).to(tl.float32)
+        dot = tl.sum(acc, axis=0)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            in_row = cols < n_cols
+            ds = tl.load(dd_ptr + base + cols, mask=in_row, other=0.0).to(tl.float32)
+            if HAS_DROPOUT:
+                keep = _keep_from_seed(seed_ptr, base + cols + rng_base, p)
+                ds = tl.where(keep, ds * scale, 0.0)
+            s = tl.load(s_ptr + base + cols, mask=in_row, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + base + cols, (s * (ds - dot)).to(dx_ptr.dtype.element_ty), mask=in_row)
+
 
 # ----------------------------------------------------------------------------------------
 # Host launchers (all tensors contiguous, softmax dim last).
 # ----------------------------------------------------------------------------------------
-def _launch_config(n_cols: int) -> tuple[int, int]:
-    if n_cols > MAX_TRITON_ROW:
-        raise ValueError(
-            f"{_OP}: the Triton kernels handle softmax rows of at most {MAX_TRITON_ROW} elements, "
-            f"got {n_cols}; use backend 'reference' (tempo.ops.use_backend('reference'))"
-        )
-    block = triton.next_power_of_2(max(n_cols, 1))
-    num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
-    return block, num_warps
+def _row_config(n_cols: int) -> tuple[bool, int, int]:
+    """(long, BLOCK, num_warps) for softmax rows of ``n_cols``."""
+    if n_cols > MAX_TRITON_ROW:  # the functional API routes such rows to the reference path
+        raise ValueError(f"{_OP}: the Triton kernels handle softmax rows of at most {MAX_TRITON_ROW} "
+                         f"elements, got {n_cols}")
+    if n_cols <= SINGLE_PASS_MAX:
+        block = triton.next_power_of_2(max(n_cols, 1))
+        return False, block, 4 if block <= 2048 else (8 if block <= 4096 else 16)
+    return True, LONG_BLOCK, _LONG_WARPS
 
 
 def _rows(t: Tensor, n_cols: int) -> int:
@@ -153,27 +228,27 @@ def _triton_forward(xm: Tensor, s_dtype: torch.dtype, d_dtype: torch.dtype, seed
     d = torch.empty(xm.shape, dtype=d_dtype, device=xm.device) if write_d else s
     rows = _rows(xm, n_cols)
     if rows:
-        block, num_warps = _launch_config(n_cols)
-        _softmax_dropout_fwd_kernel[(rows,)](
-            xm, s, d, seed, n_cols, p, 1.0 / (1.0 - p),
-            HAS_DROPOUT=dropout, WRITE_D=write_d, BLOCK=block, num_warps=num_warps)
+        long, block, num_warps = _row_config(n_cols)
+        kernel = _softmax_dropout_fwd_long_kernel if long else _softmax_dropout_fwd_kernel
+        kernel[(rows,)](xm, s, d, seed, n_cols, p, 1.0 / (1.0 - p),
+                        HAS_DROPOUT=dropout, WRITE_D=write_d, BLOCK=block, num_warps=num_warps)
     return s, d
 
 
-def _launch_dropout_from_seed(s: Tensor, out: Tensor, seed: Tensor, p: float, write_mask: bool) -> None:
-    n_cols = out.shape[-1]
-    rows = _rows(out, n_cols)
-    if rows:
-        block, num_warps = _launch_config(n_cols)
-        _dropout_from_seed_kernel[(rows,)](
-            s, out, seed, n_cols, p, 1.0 / (1.0 - p),
-            WRITE_MASK=write_mask, BLOCK=block, num_warps=num_warps)
+def _launch_dropout_from_seed(s: Tensor, out: Tensor, seed: Tensor, p: float, write_mask: bool,
+                              rng_base: int = 0) -> None:
+    n = out.numel()
+    if n:
+        _dropout_from_seed_kernel[(triton.cdiv(n, _FLAT_BLOCK),)](
+            s, out, seed, n, rng_base, p, 1.0 / (1.0 - p),
+            WRITE_MASK=write_mask, BLOCK=_FLAT_BLOCK, num_warps=4)
 
 
-def _triton_dropout_output(s: Tensor, out_dtype: torch.dtype, seed: Tensor, p: float) -> Tensor:
-    """s * keep / (1 - p) in ``out_dtype``, the mask regenerated from ``seed``."""
+def _triton_dropout_output(s: Tensor, out_dtype: torch.dtype, seed: Tensor, p: float, rng_base: int = 0) -> Tensor:
+    """s * keep / (1 - p) in ``out_dtype``, the mask regenerated from ``seed``; ``s`` may be a
+    contiguous slice starting at flat index ``rng_base`` of the tensor the mask was drawn for."""
     out = torch.empty(s.shape, dtype=out_dtype, device=s.device)
-    _launch_dropout_from_seed(s, out, seed, p, write_mask=False)
+    _launch_dropout_from_seed(s, out, seed, p, write_mask=False, rng_base=rng_base)
     return out
 
 
@@ -183,17 +258,17 @@ def _triton_keep_mask(shape: tuple[int, ...], device: torch.device, seed: Tensor
     return out.view(torch.bool)
 
 
-def _triton_softmax_dropout_backward(dd: Tensor, s: Tensor, x_dtype: torch.dtype, seed: Tensor,
-                                     p: float, dropout: bool) -> Tensor:
+def _triton_softmax_dropout_backward(dd: Tensor, s: Tensor, dx: Tensor, seed: Tensor, p: float,
+                                     dropout: bool, rng_base: int = 0) -> None:
+    """dx = softmax-dropout backward of the rows of ``dd`` / ``s`` (contiguous, possibly a slice
+    starting at flat index ``rng_base``), written into ``dx``."""
     n_cols = s.shape[-1]
-    dx = torch.empty(s.shape, dtype=x_dtype, device=s.device)
     rows = _rows(s, n_cols)
     if rows:
-        block, num_warps = _launch_config(n_cols)
-        _softmax_dropout_bwd_kernel[(rows,)](
-            dd, s, dx, seed, n_cols, p, 1.0 / (1.0 - p),
-            HAS_DROPOUT=dropout, BLOCK=block, num_warps=num_warps)
-    return dx
+        long, block, num_warps = _row_config(n_cols)
+        kernel = _softmax_dropout_bwd_long_kernel if long else _softmax_dropout_bwd_kernel
+        kernel[(rows,)](dd, s, dx, seed, n_cols, rng_base, p, 1.0 / (1.0 - p),
+                        HAS_DROPOUT=dropout, BLOCK=block, num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------------------
@@ -242,17 +317,40 @@ def _broadcast_matmul_shape(x_shape, v_shape) -> list[int]:
     return list(batch) + [x_shape[-2], v_shape[-1]]
 
 
+def _dropout_output_reference(s: Tensor, keep: Optional[Tensor], p: float, dtype: torch.dtype) -> Tensor:
+    if keep is None:
+        return s.to(dtype)
+    return (s.to(_compute_dtype(s.dtype)) * keep * (1.0 / (1.0 - p))).to(dtype)
+
+
+def _softmax_backward_reference(dd: Tensor, s: Tensor, keep: Optional[Tensor], p: float,
+                                x_dtype: torch.dtype) -> Tensor:
+    cdt = _compute_dtype(s.dtype)
+    ds = dd.to(cdt)
+    if keep is not None:
+        ds = ds * keep * (1.0 / (1.0 - p))
+    sc = s.to(cdt)
+    return (sc * (ds - (ds * sc).sum(dim=-1, keepdim=True))).to(x_dtype)
+
+
+def _check_backend_arg(backend: str, where: str) -> None:
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"{where}: argument 'backend' must be 'triton' or 'reference', got {backend!r}")
+
+
 # ----------------------------------------------------------------------------------------
 # Custom ops: forward returns (out, s) with s in the kernel layout (dim moved last,
-# contiguous) so setup_context can save it; s is not differentiable.
+# contiguous) so setup_context can save it; s is not differentiable. Both take the backend
+# the functional API resolved, so the backward regenerates the forward's mask.
 # ----------------------------------------------------------------------------------------
 @torch.library.custom_op("tempo::combined_softmax_dropout_matmul", mutates_args=())
 def _combined_fwd_op(x: Tensor, v: Tensor, seed: Tensor, p: float, dim: int, training: bool,
-                     s_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                     s_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+    _check_backend_arg(backend, _OP)
     dropout = training and p > 0.0
     xm = x.movedim(dim, -1).contiguous()
     with torch.autocast(x.device.type, enabled=False):
-        if resolve_backend(x, _OP) == "triton":
+        if backend == "triton":
             s, d = _triton_forward(xm, s_dtype, v.dtype, seed, p, dropout)
         else:
             probs = _reference_softmax(xm)
@@ -267,10 +365,53 @@ def _combined_fwd_op(x: Tensor, v: Tensor, seed: Tensor, p: float, dim: int, tra
 
 
 @_combined_fwd_op.register_fake
-def _(x, v, seed, p, dim, training, s_dtype):
+def _(x, v, seed, p, dim, training, s_dtype, backend):
     out = v.new_empty(_broadcast_matmul_shape(x.shape, v.shape))
     s = x.movedim(dim, -1).new_empty(x.movedim(dim, -1).shape, dtype=s_dtype)
     return out, s
+
+
+def _backward_batch_chunked(g: Tensor, s: Tensor, v: Tensor, seed: Tensor, p: float, dropout: bool,
+                            x_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+    """Backward when the softmax dim is the last one and x and v share their batch dims (attention).
+
+    Walks the flattened batch (b·heads) in ~BACKWARD_CHUNKS chunks. Besides the saved s and v,
+    grad_out and the outputs dx (x's size) and dv, the peak then holds one chunk's temporaries:
+    the dropout output D_c (freed after dv's matmul), then dD_c = g_c @ v_cᵀ, i.e. about
+    1/BACKWARD_CHUNKS of a b·heads·s² tensor, where processing the whole batch at once held dD
+    and dx at full size together (and D before them). The reference path also holds the whole
+    bool keep mask (1 byte per element: its generator cannot start mid-tensor) and the chunk's
+    fp32 copies.
+    """
+    *batch, sq, sk = s.shape
+    dv_cols = v.shape[-1]
+    b = math.prod(batch)
+    dx = torch.empty(s.shape, dtype=x_dtype, device=s.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    s3, g3, v3 = s.contiguous().view(b, sq, sk), g.reshape(b, sq, dv_cols), v.reshape(b, sk, dv_cols)
+    dx3, dv3 = dx.view(b, sq, sk), dv.view(b, sk, dv_cols)
+    keep = None
+    if dropout and backend == "reference":
+        keep = _reference_keep_mask(seed, tuple(s.shape), p, s.device).view(b, sq, sk)
+    step = max(1, -(-b // BACKWARD_CHUNKS))
+    for b0 in range(0, b, step):
+        b1 = min(b, b0 + step)
+        s_c, g_c, v_c = s3[b0:b1], g3[b0:b1], v3[b0:b1]
+        keep_c = keep[b0:b1] if keep is not None else None
+        rng_base = b0 * sq * sk  # flat index of the chunk's first element: the mask's counter
+        if backend == "triton":
+            d_c = _triton_dropout_output(s_c, v.dtype, seed, p, rng_base) if dropout else s_c.to(v.dtype)
+        else:
+            d_c = _dropout_output_reference(s_c, keep_c, p, v.dtype)
+        torch.matmul(d_c.transpose(-1, -2), g_c, out=dv3[b0:b1])  # dv = Dᵀ @ g
+        del d_c
+        dd_c = torch.matmul(g_c, v_c.transpose(-1, -2))  # dD = g @ vᵀ
+        if backend == "triton":
+            _triton_softmax_dropout_backward(dd_c, s_c, dx3[b0:b1], seed, p, dropout, rng_base)
+        else:
+            dx3[b0:b1] = _softmax_backward_reference(dd_c, s_c, keep_c, p, x_dtype)
+        del dd_c
+    return dx, dv
 
 
 @torch.library.custom_op("tempo::combined_softmax_dropout_matmul_backward", mutates_args=())
@@ -279,22 +420,21 @@ def _combined_bwd_op(grad_out: Tensor, s: Tensor, v: Tensor, seed: Tensor, p: fl
     # ``backend`` is the path the forward took (its mask is the one to regenerate): resolving it
     # again here could differ, e.g. CUDA backward runs on autograd's device thread, outside a
     # use_backend() block of the forward.
-    if backend not in ("triton", "reference"):
-        raise ValueError(f"{_OP}_backward: backend must be 'triton' or 'reference', got {backend!r}")
+    _check_backend_arg(backend, f"{_OP}_backward")
     dropout = training and p > 0.0
     x_shape = s.movedim(-1, dim).shape
     g = grad_out.to(v.dtype)
     with torch.autocast(s.device.type, enabled=False):
-        use_triton = backend == "triton"
+        if dim == s.dim() - 1 and s.dim() >= 3 and tuple(v.shape[:-2]) == tuple(s.shape[:-2]):
+            return _backward_batch_chunked(g, s, v, seed, p, dropout, x_dtype, backend)
+        # Any other dim, or v broadcast over x's batch: the whole tensor at once.
         keep = None
-        if use_triton:
+        if backend == "triton":
             d = _triton_dropout_output(s, v.dtype, seed, p) if dropout else s.to(v.dtype)
         else:
             if dropout:
                 keep = _reference_keep_mask(seed, tuple(s.shape), p, s.device)
-                d = (s.to(_compute_dtype(s.dtype)) * keep * (1.0 / (1.0 - p))).to(v.dtype)
-            else:
-                d = s.to(v.dtype)
+            d = _dropout_output_reference(s, keep, p, v.dtype)
         # dv = D^T @ g, with D recomputed transiently.
         dv = torch.matmul(d.movedim(-1, dim).transpose(-1, -2), g).sum_to_size(v.shape).contiguous()
         del d
@@ -303,15 +443,11 @@ def _combined_bwd_op(grad_out: Tensor, s: Tensor, v: Tensor, seed: Tensor, p: fl
         dd = torch.matmul(g, v.transpose(-1, -2)).sum_to_size(x_shape)
         ddm = dd.movedim(dim, -1).contiguous()
         del dd
-        if use_triton:
-            dxm = _triton_softmax_dropout_backward(ddm, s, x_dtype, seed, p, dropout)
+        if backend == "triton":
+            dxm = torch.empty(s.shape, dtype=x_dtype, device=s.device)
+            _triton_softmax_dropout_backward(ddm, s, dxm, seed, p, dropout)
         else:
-            cdt = _compute_dtype(s.dtype)
-            ds = ddm.to(cdt)
-            if dropout:
-                ds = ds * keep * (1.0 / (1.0 - p))
-            sc = s.to(cdt)
-            dxm = (sc * (ds - (ds * sc).sum(dim=-1, keepdim=True))).to(x_dtype)
+            dxm = _softmax_backward_reference(ddm, s, keep, p, x_dtype)
     return dxm.movedim(-1, dim), dv
 
 
@@ -322,23 +458,35 @@ def _(grad_out, s, v, seed, p, dim, training, x_dtype, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    x, v, seed, p, dim, training, s_dtype = inputs
+    x, v, seed, p, dim, training, s_dtype, backend = inputs
     _, s = output
     ctx.mark_non_differentiable(s)
     ctx.save_for_backward(s, v, seed)
     ctx.p, ctx.dim, ctx.training, ctx.x_dtype = p, dim, training, x.dtype
-    # Same thread and backend context as the forward impl that just ran.
-    ctx.backend = resolve_backend(x, _OP)
+    ctx.backend = backend  # the path the forward ran, whatever thread the backward runs on
 
 
 def _backward(ctx, grad_out, grad_s):
     s, v, seed = ctx.saved_tensors
     dx, dv = _combined_bwd_op(grad_out, s, v, seed, ctx.p, ctx.dim, ctx.training, ctx.x_dtype,
                               ctx.backend)
-    return dx, dv, None, None, None, None, None
+    return dx, dv, None, None, None, None, None, None
 
 
 _combined_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def resolve_combined_backend(x: Tensor, dim: int) -> str:
+    """'triton' or 'reference' for softmax rows of ``x.shape[dim]`` (raises as resolve_backend does).
+
+    Rows longer than MAX_TRITON_ROW run on the reference path; that fallback is logged once.
+    """
+    backend = resolve_backend(x, _OP)
+    if backend == "triton" and x.shape[dim] > MAX_TRITON_ROW:
+        log_fallback_once(f"{_OP}:long", f"{_OP}: softmax rows longer than {MAX_TRITON_ROW} (got {x.shape[dim]}) "
+                          "run on the PyTorch reference path")
+        return "reference"
+    return backend
 
 
 # ----------------------------------------------------------------------------------------
@@ -403,7 +551,7 @@ def combined_softmax_dropout_matmul(x: Tensor, v: Tensor, dim: int = -1, p: floa
         s_dtype = autocast_dtype
         if v.dtype in TRITON_DTYPES:
             v = v.to(autocast_dtype)
-    out, _ = _combined_fwd_op(x, v, seed, p, dim, training, s_dtype)
+    out, _ = _combined_fwd_op(x, v, seed, p, dim, training, s_dtype, resolve_combined_backend(x, dim))
     return out
 
 
