@@ -125,7 +125,10 @@ class TrainStep:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             return self.scaler.get_scale() >= scale_before  # the scale drops exactly on skipped steps
-        return self.optimizer.step() is not False  # LAMB returns False when it skipped the step
+        taken = self.optimizer.step()
+        if isinstance(taken, torch.Tensor):  # LAMB decides on the device: a 0-d bool tensor
+            return bool(taken)  # one sync, after the whole step is queued; keeps DLE's schedule rule
+        return taken is not False
 
     def __call__(self, micro_batches: Sequence[Any]) -> StepResult:
         if not micro_batches:
