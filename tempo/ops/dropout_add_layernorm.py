@@ -98,11 +98,13 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_N)
         in_row = cols < N
-        offsets = row * N + cols
-        x = tl.load(X + offsets, mask=in_row, other=0.0).to(tl.float32)
+        # Row base pointers + int32 columns: per-element int64 offsets cost two registers each and
+        # made the 4096-wide fp32 kernel spill on sm_80 (the compile gate caught it).
+        start = row * N
+        x = tl.load(X + start + cols, mask=in_row, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            x = tl.where(_keep(tl.load(SEED), offsets, p), x * scale, 0.0)
-        s = tl.load(R + offsets, mask=in_row, other=0.0).to(tl.float32) + x
+            x = tl.where(_keep(tl.load(SEED), start + cols, p), x * scale, 0.0)
+        s = tl.load(R + start + cols, mask=in_row, other=0.0).to(tl.float32) + x
         mean = tl.sum(s, axis=0) / N
         centered = tl.where(in_row, s - mean, 0.0)
         var = tl.sum(centered * centered, axis=0) / N
@@ -112,7 +114,7 @@ if triton is not None:
             y = y * tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y = y + tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
-        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=in_row)
+        tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=in_row)
         tl.store(RSTD + row, rstd)
 
     @triton.jit
@@ -141,9 +143,9 @@ if triton is not None:
             # The last program's run may overhang M: such a row has no live columns (the
             # interpreter rejects a mask built from `in_row & (row < M)`).
             live = cols < tl.where(row < M, N, 0)
-            offsets = row * N + cols
-            dy = tl.load(DY + offsets, mask=live, other=0.0).to(tl.float32)
-            y = tl.load(Y + offsets, mask=live, other=0.0).to(tl.float32)
+            start = row * N  # row base + int32 columns: fewer registers than int64 offsets
+            dy = tl.load(DY + start + cols, mask=live, other=0.0).to(tl.float32)
+            y = tl.load(Y + start + cols, mask=live, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + tl.minimum(row, M - 1))  # clamped index, not a scalar mask
             # γ·x̂ = y − β exactly; x̂ itself needs the division by (clamped) γ.
             scaled_xhat = y
@@ -159,10 +161,10 @@ if triton is not None:
             mean_dy_w = tl.sum(dy_w, axis=0) / N
             mean_dy_scaled = tl.sum(dy * scaled_xhat, axis=0) / N
             dsum = rstd * (dy_w - mean_dy_w - xhat * mean_dy_scaled)
-            tl.store(DR + offsets, dsum.to(DR.dtype.element_ty), mask=live)
+            tl.store(DR + start + cols, dsum.to(DR.dtype.element_ty), mask=live)
             if HAS_DROPOUT:
-                dsum = tl.where(_keep(seed, offsets, p), dsum * scale, 0.0)
-            tl.store(DX + offsets, dsum.to(DX.dtype.element_ty), mask=live)
+                dsum = tl.where(_keep(seed, start + cols, p), dsum * scale, 0.0)
+            tl.store(DX + start + cols, dsum.to(DX.dtype.element_ty), mask=live)
             dw_acc += dy * xhat
             db_acc += dy
         if HAS_WEIGHT:
