@@ -60,7 +60,7 @@ from tempo.ops._backend import (
     check_probability,
     resolve_backend,
 )
-from tempo.ops.layernorm import _safe_inverse_gamma, xhat_bound
+from tempo.ops.layernorm import LayerNormParameters, _as_shape, _safe_inverse_gamma, xhat_bound
 
 try:  # CPU-only installs without triton still import this module (reference path only).
     import triton
@@ -504,19 +504,6 @@ _ShapeLike = Union[int, Sequence[int], torch.Size]
 _long_row_fallback_logged = False
 
 
-def _as_shape(normalized_shape: _ShapeLike) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
-        return (int(normalized_shape),)
-    try:
-        shape = tuple(normalized_shape)
-    except TypeError:
-        shape = None
-    if shape is None or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
-        raise TypeError(f"{OP_NAME}: argument 'normalized_shape' must be an int or a sequence of ints, "
-                        f"got {normalized_shape!r}")
-    return tuple(int(s) for s in shape)
-
-
 def _choose_backend(x: Tensor, residual: Tensor, n: int) -> str:
     """The path that will run: resolve_backend, then the documented reference-path cases."""
     global _long_row_fallback_logged
@@ -565,7 +552,7 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
                          f"shape of argument 'x', {tuple(x.shape)} (no broadcasting)")
     if residual.device != x.device:
         raise ValueError(f"{OP_NAME}: argument 'residual' is on {residual.device}, argument 'x' on {x.device}")
-    shape = _as_shape(normalized_shape)
+    shape = _as_shape(normalized_shape, OP_NAME)
     if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"{OP_NAME}: argument 'normalized_shape' {shape} must match the trailing "
                          f"dimensions of 'x', got x of shape {tuple(x.shape)}")
@@ -602,7 +589,7 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
     return y
 
 
-class DropoutAddLayerNorm(nn.Module):
+class DropoutAddLayerNorm(LayerNormParameters):
     """``LayerNorm(residual + Dropout(p)(x))`` in one op that keeps no mask and no input.
 
     ``forward(x, residual)``. Same ``weight``/``bias`` parameters and state_dict keys as
@@ -612,43 +599,21 @@ class DropoutAddLayerNorm(nn.Module):
     Double backward is not supported.
     """
 
-    __constants__ = ["normalized_shape", "eps", "elementwise_affine", "p"]
-    normalized_shape: tuple[int, ...]
-    eps: float
-    elementwise_affine: bool
+    __constants__ = LayerNormParameters.__constants__ + ["p"]
     p: float
 
     def __init__(self, normalized_shape: _ShapeLike, p: float, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None) -> None:
-        super().__init__()
-        factory_kwargs = {"device": device, "dtype": dtype}
-        self.normalized_shape = _as_shape(normalized_shape)
-        self.p = check_probability(p, "p", "DropoutAddLayerNorm")
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
-            if bias:
-                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
+        p = check_probability(p, "p", "DropoutAddLayerNorm")
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype, op=OP_NAME)
+        self.p = p
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         return dropout_add_layernorm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps,
                                      self.p, self.training)
 
     def extra_repr(self) -> str:
-        return f"{nn.LayerNorm.extra_repr(self)}, p={self.p}"
+        return f"{super().extra_repr()}, p={self.p}"
 
 
 __all__ = [

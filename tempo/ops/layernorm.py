@@ -478,10 +478,17 @@ def resolve_layernorm_backend(x: Tensor, n: int) -> str:
 _ShapeLike = Union[int, Sequence[int], torch.Size]
 
 
-def _as_shape(normalized_shape: _ShapeLike) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
+def _as_shape(normalized_shape: _ShapeLike, op: str = OP_NAME) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         return (int(normalized_shape),)
-    return tuple(int(s) for s in normalized_shape)
+    try:
+        shape = tuple(normalized_shape)
+    except TypeError:
+        shape = None
+    if shape is None or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
+        raise TypeError(f"{op}: argument 'normalized_shape' must be an int or a sequence of ints, "
+                        f"got {normalized_shape!r}")
+    return tuple(int(s) for s in shape)
 
 
 def _output_dtype(x: Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -531,7 +538,46 @@ def inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[
     return y
 
 
-class InplaceLayerNorm(nn.Module):
+class LayerNormParameters(nn.Module):
+    """What every Tempo LayerNorm module shares with ``nn.LayerNorm``: the constructor, the
+    ``weight``/``bias`` parameters (same state_dict keys, so state dicts load in both directions),
+    their initialisation and the repr."""
+
+    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
+    normalized_shape: tuple[int, ...]
+    eps: float
+    elementwise_affine: bool
+
+    def __init__(self, normalized_shape: _ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None, op: str = OP_NAME) -> None:
+        super().__init__()
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.normalized_shape = _as_shape(normalized_shape, op)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        # Borrowed so the repr tracks the installed torch's nn.LayerNorm (2.13 added "bias=").
+        return nn.LayerNorm.extra_repr(self)
+
+
+class InplaceLayerNorm(LayerNormParameters):
     """Drop-in ``nn.LayerNorm`` whose backward keeps its output y and one fp32 rstd per row.
 
     Same constructor, ``weight``/``bias`` parameters, state_dict keys and repr as
@@ -559,41 +605,8 @@ class InplaceLayerNorm(nn.Module):
             |dx_rj − dx_rj,true| <= 2·√(N−1)·rstd_r·|mean_k(g_rk·(y_rk − β_k))|.
     """
 
-    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
-    normalized_shape: tuple[int, ...]
-    eps: float
-    elementwise_affine: bool
-
-    def __init__(self, normalized_shape: _ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, device=None, dtype=None) -> None:
-        super().__init__()
-        factory_kwargs = {"device": device, "dtype": dtype}
-        self.normalized_shape = _as_shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
-            if bias:
-                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
-
     def forward(self, input: Tensor) -> Tensor:
         return inplace_layernorm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
-    def extra_repr(self) -> str:
-        # Borrowed so the repr tracks the installed torch's nn.LayerNorm (2.13 added "bias=").
-        return nn.LayerNorm.extra_repr(self)
 
-
-__all__ = ["InplaceLayerNorm", "inplace_layernorm", "layernorm_fwd", "layernorm_bwd", "xhat_bound"]
+__all__ = ["InplaceLayerNorm", "LayerNormParameters", "inplace_layernorm", "layernorm_fwd", "layernorm_bwd", "xhat_bound"]
