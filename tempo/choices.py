@@ -8,13 +8,14 @@ implementation means editing this file and the code that builds the layer, nothi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 # Layer kinds Tempo can swap in. dropout_add_layernorm fuses the hidden dropout, the residual add
 # and the LayerNorm after it (DropoutAddLayerNorm: keeps no mask and no pre-LN sum).
 LAYER_KINDS = ("gelu", "layernorm", "attention", "dropout_add_layernorm")
-# What --tempo turns on when --tempo_layers is not given: the paper's three layers.
+# The paper's three layers: what TempoChoice.full() turns on by default. (--tempo without
+# --tempo_layers turns on TempoChoice.floor(), every kind with efficient attention.)
 DEFAULT_KINDS = ("gelu", "layernorm", "attention")
 # Implementations of the attention core (softmax -> dropout -> matmul with v):
 #   eager: PyTorch ops as written (keeps the s x s probabilities, mask and dropout output);
@@ -88,12 +89,18 @@ class TempoChoice:
         return cls.full(LAYER_KINDS, attention="efficient")
 
     @classmethod
-    def from_flags(cls, enabled: bool, kinds: str | Iterable[str] = DEFAULT_KINDS,
+    def from_flags(cls, enabled: bool, kinds: str | Iterable[str] | None = None,
                    attention: Optional[str] = None, flag: str = "--tempo_layers") -> "TempoChoice":
-        """What ``--tempo/--no-tempo``, ``--tempo_layers`` and ``--attention`` ask for."""
-        kinds = parse_kinds(kinds, flag=flag)
+        """What ``--tempo/--no-tempo``, ``--tempo_layers`` and ``--attention`` ask for: with no
+        --tempo_layers, --tempo means the best Tempo has (``floor()``), --attention overriding its
+        attention implementation."""
+        if kinds is not None:
+            kinds = parse_kinds(kinds, flag=flag)
         if not enabled:
             return cls.none(attention or "eager")
+        if kinds is None:
+            best = cls.floor()
+            return best if attention is None else replace(best, attention=attention)
         return cls.full(kinds, attention=attention)
 
     @property

@@ -117,7 +117,8 @@ def add_train_args(p: argparse.ArgumentParser, with_batch_size: bool = True) -> 
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
-    p.add_argument("--tempo", action="store_true", help=f"the paper's Tempo layers (= --tempo-layers {','.join(DEFAULT_KINDS)})")
+    p.add_argument("--tempo", action="store_true", help=f"every Tempo layer with efficient attention (= --tempo-layers {','.join(LAYER_KINDS)} "
+                        f"--attention efficient); the paper's: --tempo-layers {','.join(DEFAULT_KINDS)}")
     p.add_argument("--tempo-layers", "--tempo_layers", dest="tempo_layers", default="",
                    help=f"comma list of Tempo layer kinds to turn on: {','.join(LAYER_KINDS)}")
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
@@ -137,7 +138,9 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainBenchCo
     names = {f.name for f in fields(TrainBenchConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     if getattr(args, "tempo", False):
-        values["tempo_layers"] = ",".join(DEFAULT_KINDS)
+        values["tempo_layers"] = ",".join(LAYER_KINDS)  # --tempo: the best Tempo has, as in the trainers
+        if values.get("attention") is None:
+            values["attention"] = "efficient"
     values.update(overrides)
     return TrainBenchConfig(**values)
 

@@ -5,10 +5,11 @@
 
 1. writes the project's own generated corpus (no download) in DLE's text layout;
 2. trains a WordPiece vocabulary on it and builds DLE-format HDF5 shards;
-3. pretrains the same small BERT twice with run_pretraining.py, once with the original layers
-   and once with Tempo's, each in its own process so that peak memory is per run;
-4. prints a side-by-side table: bytes autograd kept for backward (activation ledger), peak
-   memory, sequences per second, final loss.
+3. pretrains the same small BERT three times with run_pretraining.py: the original layers, the
+   paper's Tempo layers, and every Tempo layer (efficient attention, fused dropout-add-LayerNorm),
+   each in its own process so that peak memory is per run;
+4. prints a side-by-side table: bytes autograd kept for backward (activation ledger), the largest
+   batch that fits a stated memory budget, peak memory, sequences per second, final loss.
 Runs on the GPU when there is one (bf16), else on the CPU (fp32).
 """
 
@@ -25,7 +26,11 @@ from typing import Any
 from tempo.bert.config import CONFIGS_DIR
 from tempo.train.dllog import read_dllog
 
-VARIANTS = {"original": ["--no-tempo", "--attention", "eager"], "tempo": ["--tempo", "--attention", "tempo"]}
+VARIANTS = {
+    "original": ["--no-tempo", "--attention", "eager"],
+    "tempo (paper)": ["--tempo", "--tempo_layers", "gelu,layernorm,attention", "--attention", "tempo"],
+    "tempo (all)": ["--tempo"],  # every Tempo layer, efficient attention: the trainers' --tempo
+}
 
 
 def _cuda_available() -> bool:
@@ -62,7 +67,7 @@ def write_demo_config(work: Path, vocab_file: Path, base_config: Path) -> Path:
 
 def run_variant(name: str, work: Path, shard_dir: Path, config: Path, vocab: Path, args: argparse.Namespace,
                 on_gpu: bool) -> dict[str, Any]:
-    out_dir = work / f"run_{name}"
+    out_dir = work / f"run_{name.replace(' ', '_').replace('(', '').replace(')', '')}"
     log = out_dir / "dllogger.json"
     if log.exists():
         log.unlink()  # a fresh log per demo run; checkpoints of earlier runs are ignored below
@@ -87,23 +92,51 @@ def run_variant(name: str, work: Path, shard_dir: Path, config: Path, vocab: Pat
     return summary[-1]["data"]
 
 
-def format_results(results: dict[str, dict[str, Any]], layers: int, hidden: int, tokens: int) -> str:
+def training_state_bytes(config_path: Path) -> int:
+    """Weights + gradients + the optimizer's two moments, fp32: what a step keeps besides activations."""
+    import torch
+
+    from tempo.bert.config import BertConfig
+    from tempo.bert.model import BertForPreTraining
+
+    with torch.device("meta"):  # sizes only, nothing allocated
+        model = BertForPreTraining(BertConfig.from_json_file(config_path))
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return params * 4 * 4
+
+
+def largest_batch(kept: int, batch: int, state_bytes: int, budget: int) -> int:
+    """The largest batch whose activations (the ledger's bytes, linear in the batch) plus the
+    training state fit ``budget``."""
+    return max(0, int((budget - state_bytes) // (kept / batch)))
+
+
+def format_results(results: dict[str, dict[str, Any]], layers: int, hidden: int, tokens: int, batch: int,
+                   state_bytes: int, budget: int) -> str:
     def mib(value: Any) -> str:
         return f"{value / 2**20:.1f} MiB" if isinstance(value, (int, float)) else "n/a"
 
-    rows = [("", "bytes kept for backward", "÷ (tokens × layers)", "peak memory", "sequences/s", "final loss")]
+    from tempo.train.runtime import format_rate
+
+    rows = [("", "bytes kept for backward", "÷ (tokens × layers)", f"largest batch in {mib(budget)}",
+             "peak memory", "sequences/s", "final loss")]
     for name, s in results.items():
         kept = s.get("activation_bytes_per_micro_batch")
         per_token = f"{kept / (tokens * layers * hidden):.1f} h" if kept else "n/a"
+        fits = str(largest_batch(kept, batch, state_bytes, budget)) if kept else "n/a"
         peak = s.get("peak_allocated_bytes")
         peak_text = f"{mib(peak)} (GPU)" if peak is not None else f"{mib(s.get('peak_rss_bytes'))} (CPU RSS)"
-        rows.append((name, mib(kept), per_token, peak_text, f"{s['training_sequences_per_second']:.1f}",
-                     f"{s['final_loss']:.4f}"))
-    if {"original", "tempo"} <= results.keys():
-        o, t = results["original"], results["tempo"]
+        rows.append((name, mib(kept), per_token, fits, peak_text,
+                     format_rate(s["training_sequences_per_second"]).replace(" seq/s", ""), f"{s['final_loss']:.4f}"))
+    o = results.get("original")
+    for name, t in results.items():
+        if o is None or name == "original":
+            continue
         saved = 1 - t["activation_bytes_per_micro_batch"] / o["activation_bytes_per_micro_batch"]
+        more = (largest_batch(t["activation_bytes_per_micro_batch"], batch, state_bytes, budget)
+                / max(1, largest_batch(o["activation_bytes_per_micro_batch"], batch, state_bytes, budget)))
         speed = t["training_sequences_per_second"] / o["training_sequences_per_second"] - 1
-        rows.append(("Tempo vs original", f"{-saved:+.0%}", "", "", f"{speed:+.0%}", ""))
+        rows.append((f"{name} vs original", f"{-saved:+.0%}", "", f"{more:.1f}x", "", f"{speed:+.0%}", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -122,7 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(CONFIGS_DIR / "bert_tiny.json"))
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a smaller corpus for a smoke run")
+    parser.add_argument("--memory_budget", default="256MiB",
+                        help="budget for the largest-batch column (weights, gradients, optimizer, activations)")
     args = parser.parse_args(argv)
+    from tempo.utils import parse_bytes
+
+    try:
+        budget = parse_bytes(args.memory_budget)
+    except ValueError as exc:
+        parser.error(f"--memory_budget: {exc}")
     if args.quick:
         args.documents = min(args.documents, 300)
 
@@ -136,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
 
     model_config = json.loads(config.read_text())
     table = format_results(results, model_config["num_hidden_layers"], model_config["hidden_size"],
-                           args.batch_size * args.seq_len)
+                           args.batch_size * args.seq_len, args.batch_size, training_state_bytes(config), budget)
     print(f"\nPretraining {model_config['num_hidden_layers']}-layer BERT (h={model_config['hidden_size']}), "
           f"{args.steps} steps of {args.batch_size} x {args.seq_len} tokens, original layers vs Tempo:\n")
     print(table)
     print("\n'bytes kept for backward' is the activation ledger over one batch (whole model, embeddings and heads\n"
-          "included). On the CPU, Tempo runs its PyTorch reference path, which recomputes what it does not keep\n"
-          "and so costs time there; the Triton kernels on a GPU are what the speed comparison is about.\n"
+          "included). 'largest batch' is what fits the budget: fp32 weights, gradients and two optimizer moments\n"
+          "plus that many sequences' activations (the ledger's bytes scale with the batch) - what Tempo buys.\n"
+          "On the CPU, Tempo runs its PyTorch reference path, which recomputes what it does not keep and so costs\n"
+          "time there; the Triton kernels and PyTorch's fused attention on a GPU are what speed is about.\n"
           "Per-layer figures for BERT-large: python -m tempo.memory")
     (work / "demo_results.md").write_text(table + "\n")
     return 0

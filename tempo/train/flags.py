@@ -61,12 +61,13 @@ def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | Non
     group.add_argument("--tempo", action=argparse.BooleanOptionalAction, default=default_enabled,
                        help="use Tempo layers (default: as set by scripts/tempo/patch_tempo.sh, else off)"
                        if default_enabled is None else "use Tempo layers")
-    group.add_argument("--tempo_layers", "--tempo-layers", dest="tempo_layers", type=str,
-                       default=",".join(DEFAULT_KINDS),
+    group.add_argument("--tempo_layers", "--tempo-layers", dest="tempo_layers", type=str, default=None,
                        help=f"comma-separated layer kinds Tempo replaces when on, of {','.join(LAYER_KINDS)} "
-                            f"(default: {','.join(DEFAULT_KINDS)})")
+                            f"(default: all of them, with efficient attention; the paper's layers are "
+                            f"--tempo_layers {','.join(DEFAULT_KINDS)} --attention tempo)")
     group.add_argument("--attention", choices=ATTENTIONS, default=None,
-                       help="attention implementation (default: tempo with --tempo, else eager)")
+                       help="attention implementation (default: efficient with --tempo, tempo with "
+                            "--tempo_layers ...,attention, else eager)")
 
 
 def _max_grad_norm(text: str) -> float:
