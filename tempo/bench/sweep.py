@@ -11,6 +11,7 @@ flags you give. Technique matrix (``--techniques all`` or a comma list of the na
   ckpt           + activation checkpointing (bf16, fused AdamW)
   tempo          + Tempo layers with Tempo attention (bf16, fused AdamW)
   tempo-sdpa     + Tempo GELU/LayerNorm with sdpa attention (bf16, fused AdamW)
+  tempo-all      + every Tempo layer: efficient attention, fused dropout-add-LayerNorm (bf16, fused AdamW)
   compile        + torch.compile on top of tempo-sdpa
 
 accum and ckpt are alternatives to compare against, not stacked into the Tempo rows (they
@@ -32,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tempo.choices import DEFAULT_KINDS
+from tempo.choices import DEFAULT_KINDS, LAYER_KINDS
 from tempo.bench.common import OOM_EXIT, BenchError, SimulatedOOM
 from tempo.bench.train_bench import (
     TrainBenchConfig,
@@ -42,7 +43,7 @@ from tempo.bench.train_bench import (
     run_train_bench,
 )
 
-TECHNIQUE_NAMES = ("fp32", "bf16", "fused", "accum", "ckpt", "tempo", "tempo-sdpa", "compile")
+TECHNIQUE_NAMES = ("fp32", "bf16", "fused", "accum", "ckpt", "tempo", "tempo-sdpa", "tempo-all", "compile")
 CSV_LEADING = ("group", "name", "status", "config.batch_size", "config.seq_len", "config.precision",
                "config.optimizer", "tempo_layers", "attention", "config.grad_accum", "config.grad_ckpt",
                "config.compile", "samples_per_s", "step_time_ms.p20", "step_time_ms.p50", "step_time_ms.p80",
@@ -76,6 +77,7 @@ def technique_configs(base: TrainBenchConfig, names: tuple[str, ...]) -> list[tu
         "tempo": dict(fused, tempo_layers=all_kinds,
                       attention="tempo" if "attention" in tempo_kinds else "eager"),
         "tempo-sdpa": dict(fused, tempo_layers=no_attention, attention="sdpa"),
+        "tempo-all": dict(fused, tempo_layers=",".join(LAYER_KINDS), attention="efficient"),
         "compile": dict(fused, tempo_layers=no_attention, attention="sdpa", compile=True),
     }
     unknown = set(names) - set(recipes)
