@@ -18,51 +18,10 @@ is the figure used, e.g. by ``max-batch --memory-budget``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
-import torch
-from torch import nn
-
-
-def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages behind ``tensors``, each storage once."""
-    seen: set[tuple[Any, ...]] = set()
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        try:
-            storage = t.untyped_storage()
-            key = (t.device.type, t.device.index, storage.data_ptr())
-            nbytes = storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            key, nbytes = (id(t),), t.numel() * t.element_size()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += nbytes
-    return total
-
-
-def weight_bytes(model: nn.Module) -> int:
-    return unique_tensor_bytes(list(model.parameters()) + list(model.buffers()))
-
-
-def gradient_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients a backward pass gives every trainable parameter (one per parameter,
-    in its dtype): exact whether or not the gradients exist right now (zero_grad frees them)."""
-    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    def tensors():
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    yield value
-
-    return unique_tensor_bytes(tensors())
+# The byte counts of a step's parts live with the ledger; re-exported for the anatomy's callers.
+from tempo.memory import gradient_bytes, optimizer_state_bytes, unique_tensor_bytes, weight_bytes  # noqa: F401
 
 
 @dataclass

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from tempo.choices import DEFAULT_KINDS, TEMPO_ATTENTIONS, TempoChoice
+from tempo.memory import gradient_bytes, optimizer_state_bytes, weight_bytes
 from tempo.train.step import TrainStep, to_device
 from tempo.train.max_batch import search_max_batch
 from tempo.utils import parse_bytes
@@ -88,16 +89,6 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 # ---------------------------------------------------------------------------------------------
 # Measuring
 # ---------------------------------------------------------------------------------------------
-def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        key = (t.device.type, t.untyped_storage().data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
 def _loss(model: nn.Module, batch: Any) -> Any:
     """A user's batch through a user's model: keyword batch, positional batch, or one tensor."""
     return model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (list, tuple)) else model(batch)
@@ -159,16 +150,8 @@ class DefaultMeasure:
 
     @staticmethod
     def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> MemoryEstimate:
-        params = list(model.parameters())
-        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        trainable = {id(p): p for p in params if p.requires_grad}.values()
-        return MemoryEstimate(
-            weights=_storage_bytes(params + list(model.buffers())),
-            # one gradient per trainable parameter, in its dtype (zero_grad frees them between steps)
-            gradients=sum(p.numel() * p.element_size() for p in trainable),
-            optimizer_states=_storage_bytes(states),
-            activations=activations,
-        )
+        return MemoryEstimate(weights=weight_bytes(model), gradients=gradient_bytes(model),
+                              optimizer_states=optimizer_state_bytes(optimizer), activations=activations)
 
     def __call__(self, model_factory: ModelFactory, batch_size: int) -> tuple[bool, float, Optional[int]]:
         try:

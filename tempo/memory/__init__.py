@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -173,3 +173,45 @@ def marginal_bytes_per_token(run_batch: Callable[[int], ActivationLedger], token
     per_token = (bytes_large - bytes_small) / ((large - small) * tokens_per_sample)
     fixed = bytes_small - per_token * small * tokens_per_sample
     return per_token, fixed
+
+
+# -- the other persistent parts of a training step (each storage counted once) ---------------
+def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once."""
+    seen: set[tuple[Any, ...]] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        try:
+            storage = t.untyped_storage()
+            key = (t.device.type, t.device.index, storage.data_ptr())
+            nbytes = storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, nbytes = (id(t),), t.numel() * t.element_size()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += nbytes
+    return total
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return unique_tensor_bytes(list(model.parameters()) + list(model.buffers()))
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients a backward pass gives every trainable parameter (one per parameter,
+    in its dtype): exact whether or not the gradients exist right now (zero_grad frees them)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    def tensors():
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+    return unique_tensor_bytes(tensors())
