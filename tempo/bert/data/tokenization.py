@@ -30,8 +30,38 @@ class VocabError(DataError):
     """A vocabulary file is missing, unreadable, empty or lacks special tokens."""
 
 
-def load_vocab(path: str | os.PathLike) -> list[str]:
-    """Read a BERT vocab.txt (one token per line, line number = id)."""
+VOCAB_RULE = ("a BERT vocab.txt holds one distinct token per line, no blank lines, and the special "
+              "tokens " + " ".join(SPECIAL_TOKENS))
+
+
+def check_vocab(tokens: Sequence[str], path: str | os.PathLike) -> None:
+    """The one vocabulary rule both trainers and the shard builder apply; VocabError names the
+    file, the line and the token, and ends with ``VOCAB_RULE``.
+
+    No blank line (it would make "" a token and shift every id after it), no token twice (the
+    second line's id would be unreachable: ids and tokens no longer map one to one), and all of
+    [PAD] [UNK] [CLS] [SEP] [MASK] present (the shard format pads with [PAD], the tokenizer maps
+    unknown words to [UNK], sequences are framed by [CLS]/[SEP], MLM masks with [MASK]).
+    """
+
+    def fail(problem: str) -> None:
+        raise VocabError(f"vocab file {path}: {problem}; {VOCAB_RULE}")
+
+    first_line: dict[str, int] = {}
+    for line, token in enumerate(tokens, start=1):
+        if not token.strip():
+            fail(f"line {line} is blank")
+        if token in first_line:
+            fail(f"line {line} repeats token {token!r} of line {first_line[token]}")
+        first_line[token] = line
+    missing = [t for t in SPECIAL_TOKENS if t not in first_line]
+    if missing:
+        fail(f"lacks special tokens {missing}")
+
+
+def load_vocab(path: str | os.PathLike, check: bool = True) -> list[str]:
+    """Read a BERT vocab.txt (one token per line, line number = id), checked by ``check_vocab``
+    unless ``check=False``. Trailing blank lines (a final newline or two) are dropped."""
     path = Path(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -46,6 +76,8 @@ def load_vocab(path: str | os.PathLike) -> list[str]:
         tokens.pop()
     if not tokens:
         raise VocabError(f"vocab file is empty: {path}")
+    if check:
+        check_vocab(tokens, path)
     return tokens
 
 
@@ -68,12 +100,7 @@ class WordPieceTokenizer:
 
         self.vocab_file = Path(vocab_file)
         self.vocab = load_vocab(self.vocab_file)
-        self.token_to_id = {tok: i for i, tok in enumerate(self.vocab)}
-        missing = [t for t in SPECIAL_TOKENS if t not in self.token_to_id]
-        if missing:
-            raise VocabError(f"vocab file {self.vocab_file} lacks special tokens {missing}")
-        if len(self.token_to_id) != len(self.vocab):
-            raise VocabError(f"vocab file {self.vocab_file} has duplicate tokens")
+        self.token_to_id = {tok: i for i, tok in enumerate(self.vocab)}  # load_vocab checked it one to one
         self.lower_case = lower_case
         model = models.WordPiece(
             vocab=self.token_to_id, unk_token="[UNK]", max_input_chars_per_word=100
