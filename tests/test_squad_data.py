@@ -77,6 +77,65 @@ def test_v2_data_needs_the_flag(tmp_path):
     assert [e.is_impossible for e in data.examples] == [False, True]
 
 
+@pytest.mark.parametrize("qa, needle", [
+    ({"id": "s1", "question": "q", "answers": [{"text": "w1", "answer_start": 3}], "is_impossible": "false"},
+     "question 's1': 'is_impossible' should be true or false, found 'false'"),
+    ({"id": "s2", "question": "q", "answers": [{"text": "w1", "answer_start": 3}], "is_impossible": 0},
+     "question 's2': 'is_impossible' should be true or false, found 0"),
+    ({"id": "i1", "question": "q", "answers": [{"text": "w1", "answer_start": 3}], "is_impossible": True},
+     "question 'i1': is_impossible is true but it has 1 answer(s)"),
+    ({"id": "i2", "question": "q", "answers": [], "is_impossible": False},
+     "question 'i2': is_impossible is false but its answer list is empty"),
+])
+def test_is_impossible_must_be_a_boolean_that_agrees_with_the_answers(tmp_path, qa, needle):
+    path = _squad(tmp_path / "v2.json", [{"context": _context(3), "qas": [
+        {"id": "fine", "question": "q", "answers": [{"text": "w2", "answer_start": 6}], "is_impossible": False},
+        qa]}], version="v2.0")
+    for training in (True, False):
+        with pytest.raises(SquadFormatError) as err:
+            read_squad(path, version_2_with_negative=True, for_training=training)
+        assert str(path) in str(err.value) and needle in str(err.value)
+    if "should be true or false" in needle:
+        return  # a malformed value is never skipped
+    with pytest.warns(UserWarning, match=rf"skipped 1 question.*'{qa['id']}'"):
+        data = read_squad(path, version_2_with_negative=True, for_training=True, skip_inconsistent=True)
+    assert [e.qas_id for e in data.examples] == ["fine"] and data.skipped == [qa["id"]]
+    assert [q["id"] for q in data.dataset[0]["paragraphs"][0]["qas"]] == ["fine"]  # not scored either
+
+
+@pytest.mark.parametrize("where", ["context", "question", "answer text", "id"])
+def test_text_the_tokenizer_cannot_encode_names_the_question(tmp_path, tokenizer, where):
+    lone = "\\ud800"  # a JSON escape that decodes to a lone surrogate
+    qa = {"id": "u7", "question": "where", "answers": [{"text": "w1", "answer_start": 3}]}
+    context = "w0 w1 w2"
+    if where == "context":
+        context = "w0 w1 w2 " + lone
+    elif where == "question":
+        qa["question"] = "where " + lone
+    elif where == "answer text":
+        qa["answers"][0]["text"] = "w1" + lone
+    else:
+        qa["id"] = "u" + lone
+    path = tmp_path / "surrogate.json"
+    text = json.dumps({"data": [{"paragraphs": [{"context": context, "qas": [qa]}]}]}).replace("\\\\ud800", "\\ud800")
+    path.write_text(text)
+    assert "\\ud800" in path.read_text()
+    with pytest.raises(SquadFormatError) as err:
+        read_squad(path, for_training=True)
+    message = str(err.value)
+    assert str(path) in message and f"the {where} holds '\\ud800'" in message and "lone surrogate" in message
+    if where != "id":
+        assert "'u7'" in message
+
+
+def test_examples_built_in_code_with_bad_text_are_named(tokenizer):
+    from tempo.bert.data.squad import SquadExample
+
+    bad = SquadExample("code-1", "where", "w0 \ud800 w1")
+    with pytest.raises(SquadFormatError, match="question 'code-1': context"):
+        build_features([bad], tokenizer, max_seq_length=16, doc_stride=4, max_query_length=4, progress=False)
+
+
 def test_answer_start_mismatch_is_moved_with_a_warning(tmp_path):
     ctx = "w1 w2 w3 w2"
     path = _squad(tmp_path / "shift.json", [{"context": ctx, "qas": [
@@ -179,6 +238,16 @@ def test_cache_round_trip_and_invalidation(tmp_path, tokenizer):
     assert cache3 != cache
     # A corrupt entry is rebuilt with a warning; --skip_cache writes nothing.
     cache3.write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="unreadable"):
+        load_or_build_features(read_squad(path), tokenizer, **kw)
+    good = cache3.read_bytes()
+    for damage, error in ((good[: len(good) // 2], "BadZipFile"),  # truncated: np.load's zipfile raises it
+                          (good[:60] + bytes(b ^ 0xFF for b in good[60:200]) + good[200:], "")):
+        cache3.write_bytes(damage)
+        with pytest.warns(UserWarning, match=f"unreadable.*{error}"):
+            rebuilt, _ = load_or_build_features(read_squad(path), tokenizer, **kw)
+        assert len(rebuilt) == len(built)
+    np.savez(cache3, input_ids=np.zeros((1, 3), np.int32))  # readable, but not features of this file
     with pytest.warns(UserWarning, match="unreadable"):
         load_or_build_features(read_squad(path), tokenizer, **kw)
     before = sorted(p.name for p in cache_dir.iterdir())

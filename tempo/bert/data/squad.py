@@ -11,6 +11,12 @@ the question id (or article/paragraph index) of the first problem. Decisions on 
     first; if the text does not occur in the context at all: error. Prediction files are not
     checked for this: evaluation uses only the answer texts, as the official scripts do.
   * a prediction file without any answers: fine, ``SquadData.has_gold`` is False (predict only).
+  * ``is_impossible`` that is not true/false: error. One that contradicts the answers (true with
+    answers, false with an empty answer list): error naming the question, or with
+    ``skip_inconsistent`` (``--skip_inconsistent_questions``) left out of training and scoring,
+    counted in ``SquadData.skipped`` with one warning.
+  * text the tokenizer cannot encode (a lone surrogate from a ``\\ud800`` escape) in a context,
+    question, answer or id: error naming the question and the character.
 
 Features (``build_features``), as Google's/DLE's run_squad: [CLS] question [SEP] context-window
 [SEP], the question cut to ``max_query_length`` tokens, the context cut into windows that start
@@ -23,7 +29,9 @@ length to break ties); only there may an answer start at it.
 
 Cache (``load_or_build_features``): an ``.npz`` file (numpy arrays only, loaded with
 allow_pickle=False) named by a hash of the input file's bytes, the vocabulary's bytes and every
-feature setting, so any change rebuilds it; written atomically; unreadable files are rebuilt.
+feature setting, so any change rebuilds it; written atomically. An entry that cannot be read (a
+damaged zip or member: ``zipfile.BadZipFile``, ``zlib.error``, EOFError, ...) or whose arrays do not
+fit (missing/extra arrays, shapes, ids outside the examples) is rebuilt with a warning.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import dataclass, fields
+import zipfile
+import zlib
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -65,6 +75,7 @@ class SquadData:
     examples: list[SquadExample]
     dataset: list[dict[str, Any]]  # the file's "data" list, as the official evaluators read it
     has_gold: bool                 # answers present: predictions can be scored
+    skipped: list[str] = field(default_factory=list)  # ids left out by skip_inconsistent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,9 +101,26 @@ def _nearest_occurrence(context: str, text: str, near: int) -> int:
     return best
 
 
+def _check_text(text: str, path: str, where: str, what: str) -> None:
+    """Text the tokenizer can encode: JSON's \\ud800-style escapes can decode to lone surrogates,
+    which are not Unicode text (the tokenizer raises a bare TypeError on them)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SquadFormatError(f"{path}: {where}: the {what} holds {text[exc.start]!r} at character {exc.start}, "
+                               "a lone surrogate (from a \\uD800-\\uDFFF escape), which is not text the "
+                               "tokenizer can encode") from None
+
+
 def read_squad(path: str | os.PathLike, version_2_with_negative: bool = False,
-               for_training: bool = False) -> SquadData:
-    """Read and check a SQuAD v1.1/v2.0 JSON file (see the module docstring for the rules)."""
+               for_training: bool = False, skip_inconsistent: bool = False) -> SquadData:
+    """Read and check a SQuAD v1.1/v2.0 JSON file (see the module docstring for the rules).
+
+    ``skip_inconsistent``: a question whose ``is_impossible`` disagrees with its answers is left
+    out (of the examples and of the data scored), counted in ``SquadData.skipped`` and warned
+    about once, instead of being an error."""
     path = str(path)
     try:
         with open(path, encoding="utf-8") as fh:
@@ -121,11 +149,15 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool = False,
                 if not isinstance(qa, dict) or not isinstance(qa.get("id"), (str, int)):
                     raise SquadFormatError(f"{path}: {where} question {q}: missing key 'id'")
                 qid = str(qa["id"])
+                _check_text(qid, path, f"{where} question {q}", "id")
+                if q == 0:  # once per paragraph, named by its first question
+                    _check_text(context, path, f"question {qid!r} ({where})", "context")
                 qa["id"] = qid  # predictions are keyed by string ids, as the evaluators expect
                 if qid in seen_ids:
                     raise SquadFormatError(f"{path}: question id {qid!r} appears twice")
                 seen_ids.add(qid)
                 question = _require(qa, "question", str, path, f"question {qid!r}")
+                _check_text(question, path, f"question {qid!r}", "question")
                 if not question.strip():
                     raise SquadFormatError(f"{path}: question {qid!r}: the question is empty")
                 if not context.strip():
@@ -133,19 +165,31 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool = False,
                 if "answers" in qa and not isinstance(qa["answers"], list):
                     raise SquadFormatError(f"{path}: question {qid!r}: 'answers' should be a list")
                 for answer in qa.get("answers", []):
-                    _require(answer, "text", str, path, f"question {qid!r} answer")
+                    _check_text(_require(answer, "text", str, path, f"question {qid!r} answer"), path,
+                                f"question {qid!r}", "answer text")
+                if "is_impossible" in qa and not isinstance(qa["is_impossible"], bool):
+                    raise SquadFormatError(f"{path}: question {qid!r}: 'is_impossible' should be true or "
+                                           f"false, found {qa['is_impossible']!r}")
                 questions.append((paragraph, qa))
     has_gold = any(qa.get("answers") or qa.get("is_impossible") for _, qa in questions)
 
     examples: list[SquadExample] = []
     moved: list[str] = []
+    skipped: list[str] = []
     for paragraph, qa in questions:
         qid, context = qa["id"], paragraph["context"]
         answers = qa.get("answers", [])
-        unanswerable = bool(qa.get("is_impossible")) or (has_gold and not answers)
         if has_gold and "answers" not in qa:
             raise SquadFormatError(f"{path}: question {qid!r}: missing key 'answers' "
                                    "(other questions in this file have answers)")
+        conflict = _impossible_conflict(qa, has_gold)
+        if conflict:
+            if not skip_inconsistent:
+                raise SquadFormatError(f"{path}: question {qid!r}: {conflict} (pass --skip_inconsistent_questions "
+                                       "to leave such questions out)")
+            skipped.append(qid)
+            continue
+        unanswerable = bool(qa.get("is_impossible")) or (has_gold and not answers)
         if unanswerable and not version_2_with_negative:
             raise SquadFormatError(
                 f"{path}: question {qid!r} has no answer (is_impossible or an empty answer list): "
@@ -172,13 +216,40 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool = False,
                 start = found
             example.answer_text, example.answer_start = text, start
         examples.append(example)
+    if skipped:
+        _drop_questions(data, set(skipped))
+        warnings.warn(f"{path}: skipped {len(skipped)} question(s) whose is_impossible disagrees with their "
+                      f"answers, e.g. {skipped[0]!r}", stacklevel=2)
     if moved:
         warnings.warn(f"{path}: {len(moved)} answer(s) had an answer_start that does not point at "
                       f"the answer text; moved to the nearest occurrence, e.g. question {moved[0]}",
                       stacklevel=2)
     if not examples:
         raise SquadFormatError(f"{path}: no questions found")
-    return SquadData(path, examples, data, has_gold)
+    return SquadData(path, examples, data, has_gold, skipped)
+
+
+def _impossible_conflict(qa: dict, has_gold: bool) -> str | None:
+    """Why a question's is_impossible (a bool, checked before) contradicts its answers, or None.
+
+    v2.0's rule: an impossible question has an empty answer list (its guesses go under
+    "plausible_answers"), a possible one at least one answer. Files without answers (predict
+    only) and questions without the key are not judged."""
+    if "is_impossible" not in qa or not has_gold:
+        return None
+    answers = qa.get("answers", [])
+    if qa["is_impossible"] and answers:
+        return f"is_impossible is true but it has {len(answers)} answer(s)"
+    if not qa["is_impossible"] and not answers:
+        return "is_impossible is false but its answer list is empty"
+    return None
+
+
+def _drop_questions(data: list, ids: set[str]) -> None:
+    """Remove questions from the file's data (as the official evaluators read it)."""
+    for article in data:
+        for paragraph in article["paragraphs"]:
+            paragraph["qas"] = [qa for qa in paragraph["qas"] if qa["id"] not in ids]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,10 +276,19 @@ class SquadFeatures:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
-def _encode_with_offsets(tokenizer: WordPieceTokenizer, texts: Sequence[str]):
+def _encode_with_offsets(tokenizer: WordPieceTokenizer, texts: Sequence[str], names: Sequence[str] = ()):
     # The project tokenizer's Rust pipeline; its public API returns ids only, and answers need
-    # character offsets.
-    return tokenizer._tok.encode_batch(list(texts), add_special_tokens=False)
+    # character offsets. read_squad refuses text it cannot encode; examples built in code are
+    # named here (``names``: what each text is, e.g. "question 'q7' context").
+    try:
+        return tokenizer._tok.encode_batch(list(texts), add_special_tokens=False)
+    except (TypeError, ValueError) as exc:  # tokenizers raises TypeError on lone surrogates
+        for text, name in zip(texts, names or [f"text {i}" for i in range(len(texts))]):
+            try:
+                tokenizer._tok.encode(text, add_special_tokens=False)
+            except (TypeError, ValueError):
+                raise SquadFormatError(f"{name}: the tokenizer cannot encode {text[:60]!r}... ({exc})") from None
+        raise
 
 
 def _window_starts(num_tokens: int, window: int, stride: int) -> list[int]:
@@ -248,9 +328,14 @@ def build_features(examples: Sequence[SquadExample], tokenizer: WordPieceTokeniz
     """Windows of every example; see the module docstring for the layout and the rules."""
     if max_seq_length - min(max_query_length, max_seq_length) - 3 <= 0:
         raise ValueError("max_seq_length must exceed max_query_length + 3")
-    contexts = sorted({ex.context for ex in examples})
-    context_enc = dict(zip(contexts, _encode_with_offsets(tokenizer, contexts)))
-    question_ids = [e.ids[:max_query_length] for e in _encode_with_offsets(tokenizer, [ex.question for ex in examples])]
+    first_asker = {}
+    for ex in examples:
+        first_asker.setdefault(ex.context, ex.qas_id)
+    contexts = sorted(first_asker)
+    context_enc = dict(zip(contexts, _encode_with_offsets(
+        tokenizer, contexts, [f"question {first_asker[c]!r}: context" for c in contexts])))
+    question_ids = [e.ids[:max_query_length] for e in _encode_with_offsets(
+        tokenizer, [ex.question for ex in examples], [f"question {ex.qas_id!r}: question" for ex in examples])]
 
     rows: dict[str, list] = {k: [] for k in ("input_ids", "segment_ids", "example_index", "start", "end",
                                              "offsets", "max_context")}
@@ -341,9 +426,32 @@ def save_features(features: SquadFeatures, path: str | os.PathLike) -> None:
         np.savez(fh, **features.arrays())
 
 
+# What a damaged .npz raises: np.load -> zipfile.BadZipFile / ValueError (not a zip, or pickled
+# data refused) / OSError / EOFError; reading a member -> BadZipFile (CRC, bad header), zlib.error
+# (bad deflate stream), EOFError / ValueError (truncated array header); SquadFeatures(**arrays)
+# -> TypeError (missing or unknown arrays).
+CACHE_ERRORS = (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile, zlib.error)
+
+
 def load_features(path: str | os.PathLike) -> SquadFeatures:
     with np.load(path, allow_pickle=False) as npz:
         return SquadFeatures(**{name: npz[name] for name in npz.files})
+
+
+def _check_cached(features: SquadFeatures, num_examples: int, max_seq_length: int, for_training: bool) -> None:
+    """ValueError naming what does not fit, for a cache entry that loaded but is not ours."""
+    n = len(features.input_ids)
+    want = ["input_ids", "segment_ids", "input_mask", "example_index"]
+    want += ["start_positions", "end_positions"] if for_training else ["offsets", "max_context"]
+    for name in want:
+        array = getattr(features, name)
+        if array is None or len(array) != n:
+            raise ValueError(f"array {name} is missing or has {0 if array is None else len(array)} rows, not {n}")
+    for name in ("input_ids", "segment_ids", "input_mask"):
+        if getattr(features, name).shape != (n, max_seq_length):
+            raise ValueError(f"array {name} has shape {getattr(features, name).shape}, not ({n}, {max_seq_length})")
+    if n == 0 or int(features.example_index.min()) < 0 or int(features.example_index.max()) >= num_examples:
+        raise ValueError(f"example_index does not fit the {num_examples} examples")
 
 
 def load_or_build_features(data: SquadData, tokenizer: WordPieceTokenizer, *, max_seq_length: int,
@@ -358,10 +466,11 @@ def load_or_build_features(data: SquadData, tokenizer: WordPieceTokenizer, *, ma
     if cache is not None and cache.is_file():
         try:
             features = load_features(cache)
-            if int(features.example_index.max(initial=-1)) < len(data.examples):
-                return features, cache
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # truncated/corrupt: rebuild
-            warnings.warn(f"feature cache {cache} is unreadable ({exc}); rebuilding it", stacklevel=2)
+            _check_cached(features, len(data.examples), max_seq_length, for_training)
+            return features, cache
+        except CACHE_ERRORS as exc:  # truncated/corrupt/foreign: rebuild
+            warnings.warn(f"feature cache {cache} is unreadable ({type(exc).__name__}: {exc}); rebuilding it",
+                          stacklevel=2)
     features = build_features(data.examples, tokenizer, for_training=for_training, progress=progress,
                               **{k: settings[k] for k in ("max_seq_length", "doc_stride", "max_query_length")})
     if cache is not None:
