@@ -11,6 +11,8 @@ from torch import nn
 
 from tempo.train.checkpointing import (
     CheckpointError,
+    NonFiniteCheckpointError,
+    nonfinite_tensors,
     install_sigterm_handler,
     latest_checkpoint,
     list_checkpoints,
@@ -122,6 +124,42 @@ def test_keep_last_three(tmp_path):
     save_checkpoint(tmp_path, 50, model, keep=3)  # re-saving a step replaces it
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "ckpt_50"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["ckpt_30", "ckpt_40", "ckpt_50"]
+
+
+@pytest.mark.parametrize("where", ["parameter", "buffer", "optimizer"])
+def test_a_nonfinite_tensor_is_never_written(tmp_path, where):
+    model, opt, sched, scaler = make_training()
+    train(model, opt, sched, scaler, 2)
+    save_checkpoint(tmp_path, 2, model, opt, sched, scaler)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with torch.no_grad():
+        if where == "parameter":
+            model.LayerNorm.weight[1] = float("nan")
+            needle = "LayerNorm.weight"
+        elif where == "buffer":
+            model.position_ids = torch.tensor([0.0, float("inf"), 2.0, 3.0])
+            needle = "position_ids"
+        else:
+            opt.state[model.LayerNorm.bias]["exp_avg_sq"][0] = float("inf")
+            needle = "optimizer state 'exp_avg_sq' of LayerNorm.bias"
+    assert nonfinite_tensors(model, opt) == [needle]
+    with pytest.raises(NonFiniteCheckpointError, match=f"step 4.*{needle}.*NaN/inf"):
+        save_checkpoint(tmp_path, 4, model, opt, sched, scaler, keep=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before  # nothing written or pruned
+    assert json.loads((tmp_path / "checkpoints" / "ckpt_2" / "meta.json").read_text())["finite"] is True
+
+
+def test_rotation_keeps_the_newest_finite_checkpoint(tmp_path):
+    model = nn.Linear(2, 2)
+    save_checkpoint(tmp_path, 1, model, keep=2)
+    for step in (2, 3):  # written by an older version: not known to be finite
+        save_checkpoint(tmp_path, step, model, keep=0)
+        meta = tmp_path / "checkpoints" / f"ckpt_{step}" / "meta.json"
+        meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "finite"}))
+    save_checkpoint(tmp_path, 0, model, keep=2)  # re-numbered run: the new one is older than the rest
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [0, 1, 2, 3]  # 1: the newest finite before 0
+    save_checkpoint(tmp_path, 4, model, keep=2)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [3, 4]
 
 
 def test_missing_or_empty_dir_gives_none(tmp_path):

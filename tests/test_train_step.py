@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tempo.bench.common import resolve_our_config
 from tempo.bench.train_bench import TrainBenchConfig, run_train_bench, synthetic_batches
 from tempo.bert.model import BertForPreTraining
 from tempo.tasks.pretrain import pretraining_loss
 from tempo.train.optim import Lamb, PolyWarmUpScheduler, bert_param_groups, make_optimizer
+from tempo.train.runtime import NonFiniteError
 from tempo.train.step import StepClock, TrainStep, default_excluded_steps
 
 
@@ -77,14 +78,141 @@ def test_a_skipped_step_leaves_the_schedule_and_is_counted():
     model = _mlp()
     opt = Lamb(model.parameters(), lr=1e-3)
     sched = PolyWarmUpScheduler(opt, warmup=0.5, total_steps=10, base_lr=1e-3)
-    step = TrainStep(model, opt, _mse, "fp32", torch.device("cpu"), scheduler=sched)
+    logged = []
+    step = TrainStep(model, opt, _mse, "fp32", torch.device("cpu"), scheduler=sched, on_nonfinite="skip",
+                     log=logged.append)
     before = [p.detach().clone() for p in model.parameters()]
     x, y = _batch()
     out = step([(x, torch.full_like(y, float("inf")))])  # non-finite loss -> non-finite gradients
-    assert not out.stepped and step.skipped_steps == 1 and sched.last_epoch == 0
+    assert not out.stepped and out.nonfinite and step.skipped_steps == 1 and sched.last_epoch == 0
+    assert step.nonfinite_steps == 1 and len(logged) == 1 and "step 1" in logged[0] and "skipped" in logged[0]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     out = step([(x, y)])
-    assert out.stepped and step.skipped_steps == 1 and sched.last_epoch == 1
+    assert out.stepped and not out.nonfinite and step.skipped_steps == 1 and sched.last_epoch == 1
+
+
+# -- the non-finite guard ------------------------------------------------------------------------
+OPTIMIZERS = {
+    "lamb": lambda params: Lamb(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def _state_copy(opt):
+    return {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()}
+
+
+def _same_state(a, b):
+    return a.keys() == b.keys() and all(
+        a[k].keys() == b[k].keys() and all(torch.equal(a[k][n], b[k][n]) if torch.is_tensor(a[k][n])
+                                           else a[k][n] == b[k][n] for n in a[k]) for k in a)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_nonfinite_loss_stops_by_default_and_changes_nothing(name, precision):
+    model = _mlp()
+    opt = OPTIMIZERS[name](model.parameters())
+    sched = PolyWarmUpScheduler(opt, warmup=0.5, total_steps=10, base_lr=1e-3)
+    step = TrainStep(model, opt, _mse, precision, torch.device("cpu"), scheduler=sched)
+    step([_batch()])  # a good step first: optimizer state exists
+    params = [p.detach().clone() for p in model.parameters()]
+    state = _state_copy(opt)
+    x, y = _batch()
+    with pytest.raises(NonFiniteError, match=r"step 2 \(" + precision + r"\): non-finite loss or gradients: loss "
+                                             r"(nan|inf).*the loss is not finite with every parameter finite.*"
+                                             r"without applying this step \(pass --on_nonfinite skip"):
+        step([(x, y), (x, torch.full_like(y, float("nan")))])  # the second micro-batch goes bad
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert _same_state(state, _state_copy(opt)) and sched.last_epoch == 1
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_skip_mode_matches_a_run_without_the_bad_step(name):
+    runs = []
+    for bad in (True, False):
+        model = _mlp()
+        opt = OPTIMIZERS[name](model.parameters())
+        step = TrainStep(model, opt, _mse, "fp32", torch.device("cpu"), on_nonfinite="skip", log=lambda m: None)
+        step([_batch(4)])
+        if bad:
+            x, y = _batch(6)
+            assert step([(x, y * float("inf"))]).nonfinite
+        step([_batch(8)])
+        runs.append([p.detach().clone() for p in model.parameters()])
+        assert step.nonfinite_steps == int(bad) == step.skipped_steps
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("name", ["lamb", "adamw"])
+def test_a_nonfinite_gradient_is_named_by_parameter_and_group(name):
+    model = _mlp()
+    groups = [{"params": [model[0].weight, model[2].weight]}, {"params": [model[0].bias, model[2].bias]}]
+    step = TrainStep(model, OPTIMIZERS[name](groups), _mse, "fp32", torch.device("cpu"))
+    model[2].bias.register_hook(lambda g: g * float("inf"))  # finite loss, one bad gradient
+    with pytest.raises(NonFiniteError, match=r"step 1 .*gradient norm (inf|nan).*first non-finite gradient: "
+                                             r"2\.bias \(optimizer group 1; 1 of 4"):
+        step([_batch()])
+
+
+def test_a_nan_weight_is_named():
+    model = _mlp()
+    with torch.no_grad():
+        model[2].weight[0, 3] = float("nan")
+    step = TrainStep(model, Lamb(model.parameters(), lr=1e-3), _mse, "fp32", torch.device("cpu"), on_nonfinite="skip")
+    with pytest.raises(NonFiniteError, match=r"parameters holding NaN/inf now, first: 2\.weight \(optimizer group 0; "
+                                             r"1 of 4 tensors\).*skipping cannot help"):
+        step([_batch()])  # skip mode stops too: every later step would be non-finite
+
+
+def test_fp16_keeps_grad_scaler_skips_and_the_option_is_checked():
+    model = _mlp()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, "fp16", torch.device("cpu"))
+    assert step.scaler is not None and not step.guard  # overflows are GradScaler's business in fp16
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, "fp32", torch.device("cpu"),
+                  on_nonfinite="ignore")
+
+
+class _CountHostReads(TorchDispatchMode):
+    """Counts the ops that copy a device value to the host (.item(), bool(), int() of a tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("clip", [1.0, 0])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_guard_reads_the_device_once_per_step(name, clip):
+    """One host read per step outside the optimizer's own step() (torch's AdamW/SGD read their CPU
+    step counters there: no device sync on a GPU, where those counters stay on the host)."""
+    model = _mlp()
+    opt = OPTIMIZERS[name](model.parameters())
+    step = TrainStep(model, opt, _mse, "fp32", torch.device("cpu"), max_grad_norm=clip, measure_activations=False)
+    step([_batch()])  # the first step creates optimizer state
+    inside = []
+    optimizer_step = opt.step
+
+    def counted_step(*args, **kwargs):
+        before = counter.reads
+        result = optimizer_step(*args, **kwargs)
+        inside.append(counter.reads - before)
+        return result
+
+    opt.step = counted_step
+    with _CountHostReads() as counter:
+        step([_batch(4), _batch(6)])
+    assert len(inside) == 1 and counter.reads - inside[0] == 1
+    if name == "lamb":
+        assert inside == [0]  # LAMB decides on the device; TrainStep's one read is its decision
 
 
 def test_first_micro_batch_runs_under_the_ledger():

@@ -13,6 +13,12 @@ fsync'd, then renamed into place, so a directory named ``ckpt_<step>`` is
 always complete; leftovers of a killed save are never picked up.
 
 Save from one process only (rank 0 under DDP); every rank may load.
+
+No checkpoint holds a NaN/inf: ``save_checkpoint`` checks every floating tensor of the model and
+of the optimizer state first (one reduction per tensor, one host read in all) and refuses with
+``NonFiniteCheckpointError`` naming the first bad tensor, writing nothing and deleting nothing.
+Each checkpoint's meta.json records ``"finite": true``; rotation keeps the newest ``keep`` and, in
+any case, the newest checkpoint known to be finite.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ except ImportError:  # numpy is a project dependency, but RNG capture should not
 
 __all__ = [
     "CheckpointError",
+    "NonFiniteCheckpointError",
+    "nonfinite_tensors",
     "StopFlag",
     "capture_rng_state",
     "install_sigterm_handler",
@@ -68,7 +76,51 @@ _CKPT_NAME = re.compile(r"^ckpt_(\d+)$")
 _TMP_NAME = re.compile(r"^\.ckpt_\d+\.tmp-")
 
 
+class NonFiniteCheckpointError(CheckpointError):
+    """A checkpoint would hold a NaN/inf tensor: refused before anything is written."""
+
+
 # -- helpers ---------------------------------------------------------------
+
+
+def nonfinite_tensors(model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                      limit: int = 3) -> list[str]:
+    """Names of (at most ``limit``) floating tensors holding NaN/inf: model parameters and buffers
+    by name, optimizer state as ``optimizer state '<key>' of <parameter name>``. Empty: all finite.
+
+    One reduction per tensor on its device and a single host read for all of them (names are
+    looked up only when something is bad)."""
+    named: list[tuple[str, torch.Tensor]] = []
+    names: dict[int, str] = {}
+    if model is not None:
+        target = unwrap_model(model)
+        for name, tensor in list(target.named_parameters()) + list(target.named_buffers()):
+            named.append((name, tensor))
+            names[id(tensor)] = name
+    if optimizer is not None:
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                owner = names.get(id(param), f"group {g} parameter {i}")
+                for key, value in optimizer.state.get(param, {}).items():
+                    if torch.is_tensor(value):
+                        named.append((f"optimizer state {key!r} of {owner}", value))
+            for key, value in group.items():
+                if key != "params" and torch.is_tensor(value):
+                    named.append((f"optimizer group {g} {key!r}", value))
+    floating = [(name, t.detach()) for name, t in named if t.is_floating_point() or t.is_complex()]
+    if not floating:
+        return []
+    flags_by_device: dict[torch.device, list[torch.Tensor]] = {}
+    order: dict[torch.device, list[str]] = {}
+    for name, t in floating:
+        flags_by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+        order.setdefault(t.device, []).append(name)
+    bad: list[str] = []
+    for device, flags in flags_by_device.items():
+        ok = torch.stack(flags).cpu().tolist()  # one host read per device
+        bad += [name for name, good in zip(order[device], ok) if not good]
+    position = {name: i for i, (name, _) in enumerate(floating)}
+    return sorted(bad, key=position.get)[:limit]
 
 
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -253,6 +305,12 @@ def save_checkpoint(
     step = int(step)
     if step < 0:
         raise ValueError(f"step must be non-negative, got {step}")
+    bad = nonfinite_tensors(model, optimizer)
+    if bad:
+        raise NonFiniteCheckpointError(
+            f"refusing to write checkpoint step {step} to {_checkpoint_root(output_dir)}: {bad[0]} holds NaN/inf"
+            + (f" (also {', '.join(bad[1:])})" if len(bad) > 1 else "")
+            + "; the checkpoints already there are kept")
     root = _checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"ckpt_{step}"
@@ -297,6 +355,7 @@ def save_checkpoint(
             "git_commit": git_commit()["commit"],
             "torch_version": torch.__version__,
             "python_version": platform.python_version(),
+            "finite": True,  # checked above: rotation never deletes the newest such checkpoint
             # Sizes let load_checkpoint tell a truncated file from a corrupt one.
             "file_sizes": {name: (tmp / name).stat().st_size for name in (MODEL_FILE, STATE_FILE)},
         }
@@ -333,11 +392,24 @@ def _save_model_file(model: nn.Module, path: Path) -> None:
     _fsync_path(path)
 
 
+def _known_finite(path: Path) -> bool:
+    try:
+        return json.loads((path / META_FILE).read_text(encoding="utf-8")).get("finite") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _prune(root: Path, output_dir, keep: int | None, newest: Path) -> None:
     if keep is not None and keep > 0:
         checkpoints = list_checkpoints(output_dir)
-        for _, path in checkpoints[:-keep]:
-            if path != newest:
+        kept = {path for _, path in checkpoints[-keep:]}
+        if not any(_known_finite(path) for path in kept):
+            # The newest finite checkpoint survives rotation even when newer ones (written before
+            # this check existed, or copied in) are not known to be finite.
+            finite = [path for _, path in checkpoints if _known_finite(path)]
+            kept |= set(finite[-1:])
+        for _, path in checkpoints:
+            if path not in kept and path != newest:
                 shutil.rmtree(path, ignore_errors=True)
     # Leftovers of killed saves: only one process saves, so none is in flight.
     for entry in root.iterdir():

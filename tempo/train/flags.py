@@ -14,8 +14,10 @@ DLE checkout.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
+from typing import Callable
 
 from tempo.choices import ATTENTIONS, DEFAULT_KINDS, LAYER_KINDS, ChoiceError, TempoChoice
 from tempo.train.runtime import UsageError
@@ -70,19 +72,57 @@ def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | Non
                             "--tempo_layers ...,attention, else eager)")
 
 
-def _max_grad_norm(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+# -- numeric flags: argparse ``type=`` functions, so NaN, inf and out-of-range values are refused
+# when the command line is parsed (argparse prints "argument --x: ..." and exits with status 2).
+def number_in(low: float | None = None, high: float | None = None, *, low_open: bool = False,
+              high_open: bool = False) -> Callable[[str], float]:
+    """A ``type=`` for a finite float in [low, high] (``low_open``/``high_open``: that end excluded)."""
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        bounds.append(f"{'<' if high_open else '<='} {high:g}")
+    want = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        if not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low)) or (
+                high is not None and (value >= high if high_open else value > high)):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
+        return value
+
+    parse.__name__ = "number"  # argparse names the type in its fallback message
+    return parse
 
 
-def add_training_flags(parser: argparse.ArgumentParser, dashes: bool = False) -> None:
-    """Flags of the one training step (tempo/train/step.py) every trainer and the benchmark share."""
+finite_number = number_in()
+positive_number = number_in(0.0, low_open=True)  # learning rates, log frequencies
+non_negative_number = number_in(0.0)  # weight decay, clipping norm, epochs
+proportion = number_in(0.0, 1.0, high_open=True)  # warm-up proportions: [0, 1)
+_max_grad_norm = non_negative_number
+
+ON_NONFINITE = ("stop", "skip")
+
+
+def add_training_flags(parser: argparse.ArgumentParser, dashes: bool = False, nonfinite_flag: bool = False) -> None:
+    """Flags of the one training step (tempo/train/step.py) every trainer and the benchmark share.
+
+    ``nonfinite_flag``: add ``--on_nonfinite {stop,skip}`` (the trainers; the benchmark keeps the
+    step's default, stop)."""
     name = "--max-grad-norm" if dashes else "--max_grad_norm"
     parser.add_argument(name, dest="max_grad_norm", type=_max_grad_norm, default=1.0,
                         help="clip gradients to this global L2 norm (after fp16 unscaling; 0 = no clipping; "
                              "LAMB applies it inside its step)")
+    if nonfinite_flag:
+        parser.add_argument("--on-nonfinite" if dashes else "--on_nonfinite", dest="on_nonfinite",
+                            choices=ON_NONFINITE, default="stop",
+                            help="a step whose loss or gradient norm is NaN/inf (fp32/bf16): 'stop' reports "
+                                 "it and exits with status 1 (default), 'skip' leaves the weights, optimizer "
+                                 "state and schedule as they were and goes on (each skip is logged and "
+                                 "counted). fp16 runs keep GradScaler's own skip-and-rescale")
 
 
 def tempo_choice_from_args(args: argparse.Namespace) -> TempoChoice:

@@ -23,6 +23,16 @@ class UsageError(Exception):
     """Bad input from the user (a flag, a path, a file's content): reported without a traceback."""
 
 
+class NonFiniteError(UsageError):
+    """A training step's loss or gradient norm was NaN/inf (``--on_nonfinite stop``): the message
+    names the step, the values and where the first non-finite number was; no traceback, exit 1.
+    Nothing was applied to the weights or the optimizer state at that step."""
+
+
+class ModelTooLargeError(UsageError):
+    """A config's sizes need more memory than the machine has; named before anything is allocated."""
+
+
 # Errors raised by our own modules for bad input; they all subclass ValueError/OSError, but a
 # ValueError from deep inside torch is a bug and must keep its traceback, so we list ours.
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -191,6 +201,82 @@ def mean_over_ranks(value: torch.Tensor, rt: Runtime) -> float:
         dist.all_reduce(value)
         value /= rt.world_size
     return value.item()
+
+
+# -- will the model fit? ---------------------------------------------------------------------
+# Bytes per parameter while training: fp32 weight + fp32 gradient + two fp32 optimizer moments
+# (LAMB and AdamW both keep m and v). Activations come on top and depend on the batch; this is
+# the floor below which no batch size helps.
+TRAINING_BYTES_PER_PARAMETER = 16
+# Sizes of BERT-large, to say which field of an oversized config is out of line.
+_BERT_LARGE = {"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 4096,
+               "max_position_embeddings": 512, "type_vocab_size": 2}
+
+
+def estimate_parameters(config: Any) -> dict[str, int]:
+    """Parameter counts of a BERT config by part (exact for tempo.bert.model's BertForPreTraining;
+    BertForQuestionAnswering has the encoder, embeddings and a 2-wide head: within a few percent).
+
+    Needs only the config's integer fields, so it runs before anything is allocated."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    vocab = getattr(config, "padded_vocab_size", config.vocab_size)
+    return {
+        "word embeddings (vocab_size x hidden_size)": vocab * h,
+        "position embeddings (max_position_embeddings x hidden_size)": config.max_position_embeddings * h,
+        "token type embeddings (type_vocab_size x hidden_size)": config.type_vocab_size * h,
+        "encoder (num_hidden_layers x (4 hidden_size^2 + 2 hidden_size x intermediate_size))":
+            layers * (4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h),
+        "heads (hidden_size^2, vocab_size)": 2 * (h * h + h) + 4 * h + vocab + 2 * h + 2,
+    }
+
+
+_PART_FIELDS = {
+    "word": ("vocab_size", "hidden_size"),
+    "position": ("max_position_embeddings", "hidden_size"),
+    "token": ("type_vocab_size", "hidden_size"),
+    "encoder": ("num_hidden_layers", "hidden_size", "intermediate_size"),
+    "heads": ("hidden_size", "vocab_size"),
+}
+
+
+def memory_for_training(device: torch.device) -> tuple[int, str]:
+    """(bytes, description) of the memory a model must fit in: the GPU's total memory, or the
+    machine's physical memory for CPU training."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).total_memory, f"GPU {index}"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine (CPU training)"
+    except (ValueError, OSError, AttributeError):  # not POSIX: no check
+        return 1 << 62, "this machine"
+
+
+def check_model_fits(config: Any, source: str, device: torch.device | None = None,
+                     available: int | None = None) -> int:
+    """Refuse (ModelTooLargeError naming ``source`` and a field) a config whose parameters, with
+    their gradients and optimizer moments, need more bytes than the device has; return the bytes.
+
+    ``device`` None: the device setup_runtime will choose (CUDA when available, else the CPU);
+    ``available`` overrides the memory figure (tests)."""
+    parts = estimate_parameters(config)
+    total = sum(parts.values())
+    needed = total * TRAINING_BYTES_PER_PARAMETER
+    if available is None:
+        if device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        available, where = memory_for_training(device)
+    else:
+        where = "the memory given"
+    if needed <= available:
+        return needed
+    part = max(parts, key=parts.get)
+    fields = _PART_FIELDS[part.split()[0]]
+    field = max(fields, key=lambda f: getattr(config, f) / _BERT_LARGE[f])
+    raise ModelTooLargeError(
+        f"{source}: field '{field}' ({getattr(config, field):,}) makes the model too large: {total:,} parameters "
+        f"need {needed / 2**30:,.1f} GiB for weights, gradients and optimizer state "
+        f"({TRAINING_BYTES_PER_PARAMETER} bytes each) before any activation, more than the "
+        f"{available / 2**30:,.1f} GiB of {where}; most of it is the {part}")
 
 
 def format_rate(samples_per_second: float) -> str:

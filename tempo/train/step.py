@@ -16,6 +16,23 @@ Skipped steps: fp16's GradScaler skips a step whose gradients overflowed (the sc
 LAMB skips a step whose gradient norm is not finite. Either way the scheduler does not advance
 (DLE's rule: the schedule follows the steps actually taken) and ``skipped_steps`` counts it.
 
+Non-finite guard (fp32/bf16/tf32; ``on_nonfinite``): a step whose loss or gradient norm is NaN/inf
+never changes the weights, the optimizer state or the schedule. With "stop" (the default) the step
+raises ``NonFiniteError`` naming the step, the loss, the gradient norm and where the first
+non-finite number is (the first parameter, in model order, whose gradient -- or, when the loss
+itself is not finite, whose value -- is NaN/inf, with its optimizer group); the trainers turn it
+into one line and exit status 1, and no checkpoint of that state is written. With "skip" the step
+is skipped, logged (``log``) and counted (``nonfinite_steps``, and in ``skipped_steps``). fp16 runs
+keep GradScaler's skip-and-rescale: an overflow there is routine, counted in ``skipped_steps``.
+One host sync per step, whatever the optimizer:
+  * each micro-batch's loss is multiplied by 1 where it is finite and by NaN where it is not (a
+    device-side ``where``, exact for finite losses), so a non-finite loss makes every gradient NaN
+    -- on every DDP rank, through the all-reduce -- and the gradient norm alone decides;
+  * LAMB decides on the device and returns a 0-d bool: reading it is the step's one sync (as before);
+  * other optimizers: the global norm (which clipping needs anyway) is read once, then the step
+    (and the clipping, with that norm) runs only if it is finite.
+The diagnosis after a bad step costs a few more syncs, on that step only.
+
 The first micro-batch of the first step runs under the activation ledger (saved-tensor hooks only,
 no change to the math): ``activation_bytes`` is what autograd kept for that micro-batch.
 """
@@ -23,6 +40,8 @@ no change to the math): ``activation_bytes`` is what autograd kept for that micr
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -31,7 +50,9 @@ import torch
 from torch import nn
 
 from tempo.memory import ActivationLedger
-from tempo.train.runtime import autocast_context, make_grad_scaler, synchronize
+from tempo.train.runtime import NonFiniteError, autocast_context, make_grad_scaler, synchronize
+
+ON_NONFINITE = ("stop", "skip")
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -66,6 +87,7 @@ class StepResult:
     stepped: bool                 # False: the optimizer skipped this step (overflow / non-finite norm)
     lr: float                     # the learning rate this step used
     samples: int                  # sequences this process trained on in this step
+    nonfinite: bool = False       # the guard found a NaN/inf loss or gradient norm (and skipped the step)
 
 
 class TrainStep:
@@ -74,12 +96,16 @@ class TrainStep:
     ``loss_fn(model, batch)`` returns the loss (a scalar tensor) or a model output with ``.loss``;
     ``track`` names further output fields whose step means are reported (e.g. ``("mlm_loss",)``).
     ``train_model`` is the module to run (DDP-wrapped or compiled); ``model`` the plain one.
+    ``on_nonfinite`` ("stop" | "skip") and ``log`` (where skip notices go; default stderr): the
+    non-finite guard, see the module docstring. ``steps`` may be set to the run's step count after a
+    resume, so that messages name the run's step.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, precision: str,
                  device: torch.device, scheduler: Any = None, max_grad_norm: Optional[float] = 1.0,
                  train_model: Optional[nn.Module] = None, distributed: bool = False,
-                 measure_activations: bool = True, track: Sequence[str] = ()):
+                 measure_activations: bool = True, track: Sequence[str] = (), on_nonfinite: str = "stop",
+                 log: Optional[Callable[[str], None]] = None):
         self.model = model
         self.train_model = train_model if train_model is not None else model
         self.optimizer = optimizer
@@ -98,6 +124,12 @@ class TrainStep:
         self.activation_bytes: Optional[int] = None if measure_activations else -1
         self.skipped_steps = 0
         self.steps = 0
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.guard = self.scaler is None  # fp16: GradScaler's overflow handling instead
+        self.nonfinite_steps = 0
+        self.log = log if log is not None else (lambda message: print(f"warning: {message}", file=sys.stderr))
 
     def _forward_backward(self, batch: Any, accumulation: int, last: bool, sums: dict[str, torch.Tensor]) -> None:
         ledger = ActivationLedger(self.model) if self.activation_bytes is None else contextlib.nullcontext()
@@ -110,10 +142,62 @@ class TrainStep:
                 loss = _loss_of(out) / accumulation  # the step's loss is the mean over micro-batches
             if self.activation_bytes is None:
                 self.activation_bytes = ledger.activation_bytes
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            if self.guard:  # x 1 (exact) when finite, x NaN otherwise: every gradient turns NaN
+                poison = torch.where(torch.isfinite(loss.detach()), 1.0, float("nan")).to(loss.dtype)
+                (loss * poison).backward()
+            else:
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         sums["loss"] += loss.detach()
         for name in self.track:
             sums[name] += getattr(out, name).detach() / accumulation
+
+    def _guarded_step(self) -> tuple[bool, Optional[torch.Tensor]]:
+        """fp32/bf16: (stepped, the gradient norm when it was not finite, else None). One sync."""
+        if self.clip_in_optimizer:  # LAMB: the norm and the skip are decided on the device
+            taken = self.optimizer.step()
+            if not isinstance(taken, torch.Tensor):
+                return taken is not False, None
+            if bool(taken):  # the step's one sync
+                return True, None
+            return False, getattr(self.optimizer, "last_grad_norm", None)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return self.optimizer.step() is not False, None
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if not bool(torch.isfinite(norm)):  # the step's one sync
+            return False, norm
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        return self.optimizer.step() is not False, None
+
+    def _diagnose(self, loss: torch.Tensor, norm: Optional[torch.Tensor]) -> tuple[str, bool]:
+        """(what went non-finite and where, whether parameters hold NaN/inf now). A bad step only:
+        these reads sync."""
+        group_of = {id(p): g for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
+        named = list(self.model.named_parameters())
+
+        def first(bad: list[tuple[str, torch.Tensor]], what: str) -> str:
+            name, tensor = bad[0]
+            return (f"{what}: {name} (optimizer group {group_of.get(id(tensor), '-')}; {len(bad)} of {len(named)} "
+                    "tensors)")
+
+        loss_value = loss.item()
+        norm_text = f"{norm.item():.4g}" if norm is not None else "not finite"
+        parts = [f"step {self.steps + 1} ({self.precision}): non-finite loss or gradients: loss {loss_value:.4g}, "
+                 f"gradient norm {norm_text}"]
+        bad_params = [(n, p) for n, p in named if not bool(torch.isfinite(p.detach()).all())]
+        if math.isfinite(loss_value):
+            bad_grads = [(n, p) for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            parts.append(first(bad_grads, "first non-finite gradient") if bad_grads
+                         else "every gradient tensor is finite but their norm overflowed")
+        elif not bad_params:
+            parts.append("the loss is not finite with every parameter finite: the forward pass overflowed "
+                         "(learning rate too high, or extreme input values)")
+        else:
+            parts.append("the loss is not finite")
+        if bad_params:
+            parts.append(first(bad_params, "parameters holding NaN/inf now, first"))
+        return "; ".join(parts), bool(bad_params)
 
     def _optimizer_step(self) -> bool:
         if self.scaler is not None:
@@ -139,7 +223,21 @@ class TrainStep:
             batch = to_device(batch, self.device)
             samples += _batch_size(batch)
             self._forward_backward(batch, len(micro_batches), i == len(micro_batches) - 1, sums)
-        stepped = self._optimizer_step()
+        nonfinite = False
+        if self.guard:
+            stepped, bad_norm = self._guarded_step()
+            nonfinite = not stepped and (bad_norm is not None)
+            if nonfinite:
+                message, params_bad = self._diagnose(sums["loss"], bad_norm)
+                if self.on_nonfinite == "stop" or params_bad:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    why = ("skipping cannot help: the parameters themselves hold NaN/inf" if params_bad else
+                           "pass --on_nonfinite skip to skip such steps instead")
+                    raise NonFiniteError(f"{message}; stopped without applying this step ({why})")
+                self.nonfinite_steps += 1
+                self.log(f"{message}; step skipped ({self.nonfinite_steps} so far)")
+        else:
+            stepped = self._optimizer_step()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used, for the log
         if stepped and self.scheduler is not None:
             self.scheduler.step()
@@ -148,7 +246,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         loss = sums.pop("loss")
-        return StepResult(loss=loss, extras=sums, stepped=stepped, lr=lr, samples=samples)
+        return StepResult(loss=loss, extras=sums, stepped=stepped, lr=lr, samples=samples, nonfinite=nonfinite)
 
 
 @dataclass
