@@ -408,3 +408,65 @@ def test_floor_keeps_less_than_the_paper_layers_and_nothing_quadratic():
     assert abs(floor[1] - floor[0]) < 0.01 * floor[0]
     assert paper[1] - paper[0] > 0.05 * paper[0]
     assert floor[0] < paper[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# GELU forms (hidden_act)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hidden_act, form", [
+    ("gelu", "none"), ("gelu_python", "none"),
+    ("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"), ("gelu_python_tanh", "tanh"), ("gelu_fast", "tanh"),
+])
+def test_hidden_act_names_a_gelu_form(hidden_act, form):
+    cfg = tiny_config(hidden_act=hidden_act)
+    assert cfg.gelu_approximate == form
+    for options in (TempoChoice.original(), TempoChoice.full(["gelu"])):
+        require_tempo_layers(options)
+        model = BertForPreTraining(cfg, options)
+        acts = [model.bert.encoder.layer[0].intermediate.act, model.cls.predictions.transform.transform_act_fn]
+        for act in acts:
+            assert act.approximate == form
+            assert type(act).__name__ == ("InplaceGelu" if options.gelu else "GELU")
+
+
+def test_unknown_hidden_act_lists_the_choices(tmp_path):
+    path = write_config(tmp_path, hidden_act="quick_gelu")
+    with pytest.raises(ConfigError) as err:
+        BertConfig.from_json_file(path)
+    message = str(err.value)
+    assert str(path) in message and "'hidden_act'" in message and "'quick_gelu'" in message
+    for name in ("'gelu'", "'gelu_new'", "'gelu_pytorch_tanh'", "'gelu_fast'"):
+        assert name in message
+
+
+def test_with_gelu_overrides_the_form():
+    exact = tiny_config()
+    assert exact.with_gelu(None) is exact and exact.with_gelu("none") is exact
+    tanh = exact.with_gelu("tanh")
+    assert tanh.hidden_act == "gelu_pytorch_tanh" and tanh.gelu_approximate == "tanh" and exact.hidden_act == "gelu"
+    assert tiny_config(hidden_act="gelu_new").with_gelu("tanh").hidden_act == "gelu_new"  # name kept
+    assert tanh.with_gelu("none").hidden_act == "gelu"
+    with pytest.raises(ConfigError, match="'sigmoid'"):
+        exact.with_gelu("sigmoid")
+
+
+@pytest.mark.parametrize("options", [TempoChoice.original(), TempoChoice.full()], ids=["original", "tempo"])
+def test_tanh_and_exact_models_differ_only_in_the_gelu(options):
+    """Same weights, fp32: the tanh model equals a copy whose GELUs were swapped for
+    nn.GELU("tanh") by hand, and differs from the exact one by a GELU-sized amount."""
+    require_tempo_layers(options)
+    torch.manual_seed(0)
+    exact = BertForPreTraining(no_dropout_config(), options).eval()
+    tanh = BertForPreTraining(no_dropout_config().with_gelu("tanh"), options).eval()
+    tanh.load_state_dict(exact.state_dict())
+    by_hand = copy.deepcopy(exact)
+    for layer in by_hand.bert.encoder.layer:
+        layer.intermediate.act = torch.nn.GELU(approximate="tanh")
+    by_hand.cls.predictions.transform.transform_act_fn = torch.nn.GELU(approximate="tanh")
+    ids, types, mask = padded_batch()
+    with torch.no_grad():
+        a = tanh(ids, types, mask).prediction_scores
+        b = by_hand(ids, types, mask).prediction_scores
+        c = exact(ids, types, mask).prediction_scores
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert (a - c).abs().max() > 1e-6

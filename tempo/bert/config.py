@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from tempo.utils import atomic_write_text
 
@@ -27,7 +27,39 @@ class ConfigError(ValueError):
 # Round the vocabulary up so the embedding / decoder GEMMs hit tensor-core friendly shapes (as DLE).
 VOCAB_PAD_MULTIPLE = 8
 
-_SUPPORTED_ACTIVATIONS = ("gelu",)
+# hidden_act -> the GELU form the model computes ("none": exact erf, "tanh": the tanh approximation),
+# under the names Google/DLE and transformers' ACT2FN use. "gelu_fast" is transformers'
+# FastGELUActivation: the tanh form written with sqrt(2/pi) rounded to 0.7978845608 (1e-11 apart
+# in fp64, below fp32 resolution), so it is the tanh form. quick_gelu (x*sigmoid(1.702x)), the
+# clipped gelu_10 and other activations are different functions and are refused.
+GELU_FORMS = {
+    "gelu": "none",               # Google BERT, HF; DLE's config says "gelu" for both forms (see below)
+    "gelu_python": "none",        # transformers' erf GELU written in Python
+    "gelu_new": "tanh",           # OpenAI GPT/GPT-2; transformers' NewGELUActivation
+    "gelu_pytorch_tanh": "tanh",  # F.gelu(x, approximate="tanh"); transformers' GELUTanh
+    "gelu_python_tanh": "tanh",   # the same in Python
+    "gelu_fast": "tanh",          # transformers' FastGELUActivation (see above)
+}
+_SUPPORTED_ACTIVATIONS = tuple(GELU_FORMS)
+GELU_APPROXIMATIONS = ("none", "tanh")
+# The hidden_act with_gelu() writes for a form when the config names the other one.
+_GELU_NAME_FOR = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
+
+# DLE's config.json says "gelu" whichever form its modeling.py computes: up to commit a9e2c1d5
+# (2022-03-02) the exact erf form (the NGC checkpoints of 20.03 were trained so), since then
+# F.gelu(x, approximate=True), the tanh form. A DLE file does not record which one it was
+# trained with, so the form is an explicit choice (--gelu_approximate, BertConfig.with_gelu).
+GELU_APPROXIMATE_HELP = (
+    "GELU form, overriding the config's hidden_act: 'none' = exact erf GELU (Google/HF 'gelu', DLE before "
+    "2022-03 and its NGC 20.03 checkpoints), 'tanh' = the tanh approximation (HF 'gelu_new'/"
+    "'gelu_pytorch_tanh'; DLE's modeling.py since 2022-03, whose config still says 'gelu'). Default: the "
+    "config's hidden_act")
+
+
+def add_gelu_approximate_flag(parser: Any, name: str = "--gelu_approximate") -> None:
+    """``--gelu_approximate {none,tanh}`` (default None: the config decides); see BertConfig.with_gelu."""
+    parser.add_argument(name, dest="gelu_approximate", choices=GELU_APPROXIMATIONS, default=None,
+                        help=GELU_APPROXIMATE_HELP)
 
 
 @dataclass
@@ -56,6 +88,25 @@ class BertConfig:
     @property
     def head_size(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def gelu_approximate(self) -> str:
+        """The GELU form hidden_act names: "none" (exact erf) or "tanh"."""
+        return GELU_FORMS[self.hidden_act]
+
+    def with_gelu(self, approximate: Optional[str]) -> "BertConfig":
+        """A copy computing the given GELU form ("none" or "tanh"); None returns self unchanged.
+
+        hidden_act keeps its name when it already names that form ("gelu_new" stays), otherwise
+        it becomes "gelu" (none) or "gelu_pytorch_tanh" (tanh), names transformers reads too.
+        """
+        if approximate is None:
+            return self
+        if approximate not in GELU_APPROXIMATIONS:
+            raise ConfigError(f"GELU form must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+        if self.gelu_approximate == approximate:
+            return self
+        return dataclasses.replace(self, hidden_act=_GELU_NAME_FOR[approximate])
 
     # ---- validation -------------------------------------------------------------------
     def validate(self, source: str = "<dict>") -> None:
@@ -92,7 +143,8 @@ class BertConfig:
             fail("hidden_size", f"({self.hidden_size}) must be divisible by "
                  f"num_attention_heads ({self.num_attention_heads})")
         if self.hidden_act not in _SUPPORTED_ACTIVATIONS:
-            fail("hidden_act", f"must be one of {_SUPPORTED_ACTIVATIONS}, got {self.hidden_act!r}")
+            fail("hidden_act", f"must be one of {', '.join(map(repr, _SUPPORTED_ACTIVATIONS))} "
+                 f"(exact erf GELU: 'gelu', 'gelu_python'; tanh GELU: the others), got {self.hidden_act!r}")
 
     # ---- (de)serialization --------------------------------------------------------------
     @classmethod

@@ -30,11 +30,14 @@ def _layer_norm(config: BertConfig, options: TempoChoice) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
-def _gelu(options: TempoChoice) -> nn.Module:
+def _gelu(config: BertConfig, options: TempoChoice) -> nn.Module:
+    """The GELU form config.hidden_act names ("gelu": exact erf; "gelu_new", "gelu_pytorch_tanh",
+    ...: tanh), as InplaceGelu with the gelu choice, else nn.GELU."""
+    approximate = config.gelu_approximate
     if options.gelu:
         from tempo.inplace_gelu import InplaceGelu  # lazy: optional Tempo kernel
-        return InplaceGelu()
-    return nn.GELU()  # exact erf GELU, as Google/DLE "gelu"
+        return InplaceGelu(approximate=approximate)
+    return nn.GELU(approximate=approximate)
 
 
 def _compute_dtype(reference: Tensor) -> torch.dtype:
@@ -187,7 +190,7 @@ class BertIntermediate(nn.Module):
     def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = _gelu(options)
+        self.act = _gelu(config, options)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.act(self.dense(hidden))
@@ -300,7 +303,7 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, config: BertConfig, options: TempoChoice):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.transform_act_fn = _gelu(options)
+        self.transform_act_fn = _gelu(config, options)
         self.LayerNorm = _layer_norm(config, options)
 
     def forward(self, hidden: Tensor) -> Tensor:
