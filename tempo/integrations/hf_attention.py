@@ -11,6 +11,12 @@ ELECTRA, DistilBERT, GPT-2, Llama, ... in recent transformers) call the function
     transformers 5.x builds no mask at all for an unknown implementation name: padding would be
     silently ignored.
 
+Attention weights: Combined keeps no probabilities, so a call that asks for them
+(``output_attentions=True``, which transformers 5.x records with output-capturing hooks and older
+versions pass as a keyword) runs the model's own eager attention for that call instead, logged
+once on ``logging.getLogger("tempo.integrations.hf_attention")``, and returns its weights, as an
+unpatched eager model would. Without this, transformers would hand back an empty tuple.
+
 Versions: ``AttentionInterface`` appeared in transformers 4.50 and ``AttentionMaskInterface`` in
 4.53; before 4.53 each model builds its own eager-style additive mask, so registering the
 attention function is enough there. BERT-family models dispatch through the interface from about
@@ -23,13 +29,16 @@ those versions' APIs but not run here.
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from tempo.ops.combined import combined_softmax_dropout_matmul
+
+logger = logging.getLogger("tempo.integrations.hf_attention")
 
 TEMPO_ATTENTION = "tempo"
 MIN_ATTENTION_INTERFACE_VERSION = "4.50"
@@ -117,15 +126,68 @@ def _default_scaling(module: nn.Module, head_dim: int) -> float:
     return head_dim ** -0.5
 
 
+def attention_weights_requested(kwargs: dict[str, Any]) -> bool:
+    """Whether the running forward asks for attention weights: an ``output_attentions`` keyword
+    (transformers 4.x), or transformers 5.x's output collector recording "attentions"."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    try:
+        collected = _active_collector.get()
+    except LookupError:
+        return False
+    return isinstance(collected, dict) and "attentions" in collected
+
+
+_fallback_logged = False
+
+
+def _eager_fallback(module: nn.Module) -> Callable[..., tuple[Tensor, Optional[Tensor]]]:
+    """The eager attention of the module's own modeling file, else the generic one below."""
+    global _fallback_logged
+    if not _fallback_logged:
+        _fallback_logged = True
+        logger.warning("tempo attention: this call asks for attention weights (output_attentions=True), which "
+                       "Tempo attention does not keep; running eager attention for such calls (they keep the "
+                       "full attention matrix for backward)")
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    return own if callable(own) else _generic_eager
+
+
+def _generic_eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                   scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    if key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    weights = nn.functional.dropout(torch.softmax(scores, dim=-1).to(value.dtype), p=dropout,
+                                    training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 def tempo_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                             attention_mask: Optional[Tensor], scaling: Optional[float] = None,
                             dropout: float = 0.0, head_mask: Optional[Tensor] = None,
-                            **kwargs: Any) -> tuple[Tensor, None]:
+                            **kwargs: Any) -> tuple[Tensor, Optional[Tensor]]:
     """Attention with Combined softmax -> dropout -> matmul; the AttentionInterface signature.
 
     query/key/value are [batch, heads, length, head_dim]; returns ([batch, q_len, heads, head_dim],
-    None): attention probabilities are never materialised for the caller.
+    None): attention probabilities are never materialised for the caller. A call that asks for
+    them runs the model's eager attention and returns (output, weights) instead (see the module
+    docstring).
     """
+    if attention_weights_requested(kwargs):
+        if scaling is None:
+            scaling = _default_scaling(module, query.shape[-1])
+        if head_mask is not None:
+            kwargs["head_mask"] = head_mask
+        return _eager_fallback(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                       dropout=dropout, **kwargs)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
         groups = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(groups, dim=1)
@@ -171,4 +233,5 @@ __all__ = [
     "require_attention_interface",
     "model_dispatches_attention",
     "tempo_attention_forward",
+    "attention_weights_requested",
 ]

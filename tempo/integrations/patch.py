@@ -10,17 +10,32 @@ modified, so other models in the process are untouched. What is replaced:
 
   * ``nn.LayerNorm`` (exactly that class) -> ``InplaceLayerNorm`` holding the *same* Parameter
     objects: state_dict keys and values, optimizer references and tied weights stay valid.
-  * exact (erf) GELU -> ``InplaceGelu``: ``nn.GELU(approximate="none")`` and transformers'
-    ``GELUActivation`` (what ``ACT2FN["gelu"]`` / ``get_activation("gelu")`` build, e.g. BERT's
-    ``intermediate_act_fn``). tanh-approximated GELUs (``nn.GELU("tanh")``, "gelu_new",
-    "gelu_pytorch_tanh", "gelu_fast", ...) are different functions: they are left alone and
-    logged. GPT-2 defaults to "gelu_new", so only its LayerNorms (and attention) change unless
-    its config asks for activation_function="gelu". Activations called as plain functions
-    (e.g. RoBERTa's LM head calls ``gelu(x)``) cannot be swapped and stay as they are.
+  * GELU modules -> ``InplaceGelu`` of the same form: exact (erf) GELU, ``nn.GELU()`` and
+    transformers' ``GELUActivation`` (``ACT2FN["gelu"]``, e.g. BERT's ``intermediate_act_fn``),
+    becomes ``InplaceGelu()``; the tanh approximation, ``nn.GELU(approximate="tanh")`` and
+    transformers' ``NewGELUActivation`` ("gelu_new", GPT-2's default), ``GELUTanh`` /
+    ``PytorchGELUTanh`` ("gelu_pytorch_tanh"), ``FastGELUActivation`` ("gelu_fast": the tanh form
+    with sqrt(2/pi) written as 0.7978845608, 1e-12 apart in fp64) and ``AccurateGELUActivation``
+    (the same formula), becomes ``InplaceGelu(approximate="tanh")``. Each transformers module, and
+    any other parameter-free module whose class name says GELU, is checked numerically first
+    (float64, [-8, 8] densely and out to +-1e4, within 1e-5 of one form; the forms are 4.7e-4
+    apart): a module that computes neither (QuickGELU's x*sigmoid(1.702x), a clipped GELU, ...) is
+    left alone and logged.
+    Activations called as plain functions (e.g. RoBERTa's LM head calls ``gelu(x)``) cannot be
+    swapped and stay as they are.
   * attention (HF models only): the model's ``config._attn_implementation`` becomes "tempo",
     registered by ``tempo.integrations.hf_attention`` with transformers' AttentionInterface and
     AttentionMaskInterface. Needs transformers >= 4.50 and a model class whose attention
-    dispatches through the interface; otherwise ImportError, before anything is changed.
+    dispatches through the interface; otherwise ImportError, before anything is changed. A model
+    whose config sets ``output_attentions=True`` keeps its attention (Tempo attention keeps no
+    weights to return, so every call would fall back to eager anyway), logged; a call that asks
+    for attention weights on a patched model gets them from the model's eager attention for that
+    call (logged once, see hf_attention).
+
+All or nothing: every replacement is built first, then all are swapped in; if anything fails
+(building a replacement, switching the attention) the model is left exactly as it was and the
+error is raised. It works on models built under ``with torch.device("meta")`` (apply, then
+``to_empty`` and initialise or load), whatever was imported first.
 
 Every replacement is logged on ``logging.getLogger("tempo.integrations.patch")``: one INFO line per kind with
 counts, one DEBUG line per module. Applying twice changes nothing the second time. Each
@@ -32,9 +47,12 @@ replacement holds at that moment and its train/eval mode.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 logger = logging.getLogger("tempo.integrations.patch")
@@ -42,26 +60,68 @@ logger = logging.getLogger("tempo.integrations.patch")
 _ORIGINAL = "_tempo_original"  # on a replacement: the module it replaced
 _STATE = "_tempo_patch_state"  # on the root model: what apply_tempo changed outside the tree
 
+# transformers' GELU activation classes and the form each claims (checked numerically anyway).
+_HF_GELU_FORMS = {
+    "GELUActivation": "none",
+    "NewGELUActivation": "tanh",
+    "GELUTanh": "tanh",
+    "PytorchGELUTanh": "tanh",  # an alias of GELUTanh in 5.x, its own class before
+    "FastGELUActivation": "tanh",
+    "AccurateGELUActivation": "tanh",
+}
+_PROBE_TOLERANCE = 1e-5  # the two forms differ by up to 4.7e-4
+_KIND_NAMES = {"none": "GELU", "tanh": "tanh GELU"}
 
-def _hf_gelu_classes() -> tuple[type, ...]:
-    try:
-        from transformers.activations import GELUActivation
-    except ImportError:
-        return ()
-    return (GELUActivation,)
+
+def _hf_gelu_classes() -> dict[type, str]:
+    """transformers' GELU classes -> claimed form; empty unless transformers.activations is loaded
+    (a model holding one of its modules has loaded it, so nothing is imported here)."""
+    activations = sys.modules.get("transformers.activations")
+    if activations is None:
+        return {}
+    out = {}
+    for name, form in _HF_GELU_FORMS.items():
+        cls = getattr(activations, name, None)
+        if isinstance(cls, type):
+            out[cls] = form
+    return out
 
 
-def _is_exact_gelu(module: nn.Module) -> Optional[bool]:
-    """True: exact erf GELU; False: a tanh/other GELU variant; None: not a GELU module."""
-    if _ORIGINAL in module.__dict__ or type(module).__module__.startswith("tempo."):  # already Tempo's
+def _probe_gelu_form(module: nn.Module) -> Optional[str]:
+    """The GELU form a parameter-free module computes ("none"/"tanh"), measured in float64 on the
+    CPU with its hooks bypassed; None if it computes neither (or fails, or holds state)."""
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return None
+    dense = torch.linspace(-8.0, 8.0, 321, dtype=torch.float64, device="cpu")
+    far = torch.tensor([10.5, 12.0, 16.0, 32.0, 100.0, 1e3, 1e4], dtype=torch.float64, device="cpu")
+    x = torch.cat([-far.flip(0), dense, far])  # far points: a clipped GELU (gelu_10) differs only there
+    try:
+        with torch.no_grad():
+            y = type(module).forward(module, x)
+    except Exception:  # noqa: BLE001 - a module we cannot probe is one we do not replace
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.device.type != "cpu":
+        return None
+    y = y.to(torch.float64)
+    for form in ("none", "tanh"):
+        if float((y - nn.functional.gelu(x, approximate=form)).abs().max()) <= _PROBE_TOLERANCE:
+            return form
+    return None
+
+
+def gelu_form(module: nn.Module) -> tuple[bool, Optional[str]]:
+    """(is a GELU candidate, its form "none"/"tanh" or None when it computes neither form)."""
+    if _ORIGINAL in module.__dict__ or type(module).__module__.startswith("tempo."):  # already Tempo's
+        return False, None
     if type(module) is nn.GELU:
-        return module.approximate == "none"
-    if type(module) in _hf_gelu_classes():
-        act = getattr(module, "act", None)
-        # F.gelu (default approximate="none") or transformers' own erf formula.
-        return act is nn.functional.gelu or getattr(act, "__name__", "") == "_gelu_python"
-    return None if "gelu" not in type(module).__name__.lower() else False
+        return True, module.approximate if module.approximate in ("none", "tanh") else None
+    claimed = _hf_gelu_classes().get(type(module))
+    if claimed is None and "gelu" not in type(module).__name__.lower():
+        return False, None
+    measured = _probe_gelu_form(module)
+    if claimed is not None and measured is not None and measured != claimed:
+        logger.debug("%s claims the %s GELU form but computes the %s form", type(module).__name__, claimed, measured)
+    return True, measured
 
 
 def _make_layernorm(old: nn.LayerNorm) -> nn.Module:
@@ -74,10 +134,10 @@ def _make_layernorm(old: nn.LayerNorm) -> nn.Module:
     return new
 
 
-def _make_gelu(old: nn.Module) -> nn.Module:
+def _make_gelu(old: nn.Module, approximate: str) -> nn.Module:
     from tempo.inplace_gelu import InplaceGelu
 
-    return InplaceGelu()
+    return InplaceGelu(approximate=approximate)
 
 
 def _move_parameters(src: nn.Module, dst: nn.Module) -> None:
@@ -93,43 +153,50 @@ def _replacement_for(module: nn.Module, options: dict[str, bool]) -> tuple[Optio
     """(kind, new module) for a module Tempo replaces, (kind, None) for one it deliberately skips."""
     if type(module) is nn.LayerNorm:
         return ("LayerNorm", _make_layernorm(module)) if options["layernorm"] else (None, None)
-    exact = _is_exact_gelu(module)
-    if exact is None or not options["gelu"]:
+    candidate, form = gelu_form(module)
+    if not candidate or not options["gelu"]:
         return None, None
-    if exact:
-        return "GELU", _make_gelu(module)
-    return "non-exact GELU", None
+    if form is None:
+        return "other GELU", None
+    return _KIND_NAMES[form], _make_gelu(module, form)
 
 
-def _swap_modules(model: nn.Module, options: dict[str, bool]) -> Counter:
-    counts: Counter = Counter()
-    done: dict[int, nn.Module] = {}  # a module shared by several parents gets one replacement
+@dataclass
+class _Swap:
+    parent: nn.Module
+    name: str
+    old: nn.Module
+    new: nn.Module
+    qualified: str
+    kind: Optional[str]  # None: a second parent of a module already planned
+
+
+def _plan_swaps(model: nn.Module, options: dict[str, bool]) -> tuple[list[_Swap], Counter]:
+    """Build every replacement without touching the model: (swaps, counts of skipped kinds)."""
+    swaps: list[_Swap] = []
+    skipped: Counter = Counter()
+    planned: dict[int, nn.Module] = {}  # a module shared by several parents gets one replacement
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
         for child_name, child in list(parent._modules.items()):
             if child is None:
                 continue
             qualified = f"{parent_name}.{child_name}" if parent_name else child_name
-            if id(child) in done:
-                parent._modules[child_name] = done[id(child)]
+            if id(child) in planned:
+                swaps.append(_Swap(parent, child_name, child, planned[id(child)], qualified, None))
                 continue
             kind, new = _replacement_for(child, options)
             if kind is None:
                 continue
             if new is None:
-                counts[f"skipped {kind}"] += 1
-                logger.debug("left %s (%s) alone: not the exact erf GELU that InplaceGelu computes",
+                skipped[kind] += 1
+                logger.debug("left %s (%s) alone: it computes neither GELU form InplaceGelu has",
                              qualified, type(child).__name__)
                 continue
-            if child._forward_hooks or child._forward_pre_hooks or child._backward_hooks:
-                logger.warning("%s has hooks; they stay on the original module and do not run while "
-                               "it is replaced", qualified)
             new.train(child.training)
             new.__dict__[_ORIGINAL] = child  # plain attribute: not a submodule, not in state_dict
-            parent._modules[child_name] = new
-            done[id(child)] = new
-            counts[kind] += 1
-            logger.debug("%s: %s -> %s", qualified, type(child).__name__, type(new).__name__)
-    return counts
+            planned[id(child)] = new
+            swaps.append(_Swap(parent, child_name, child, new, qualified, kind))
+    return swaps, skipped
 
 
 def _configs_of(model: nn.Module) -> list[Any]:
@@ -143,6 +210,10 @@ def _configs_of(model: nn.Module) -> list[Any]:
     return configs
 
 
+def _asks_for_attention_weights(model: nn.Module) -> bool:
+    return any(getattr(config, "output_attentions", False) is True for config in _configs_of(model))
+
+
 def _set_attn_implementation(model: nn.Module, implementation: str) -> None:
     setter = getattr(model, "set_attn_implementation", None)
     if callable(setter):
@@ -150,6 +221,17 @@ def _set_attn_implementation(model: nn.Module, implementation: str) -> None:
     for config in _configs_of(model):  # older versions, or sub-configs the setter skipped
         if config._attn_implementation != implementation:
             config._attn_implementation = implementation
+
+
+def _restore_attention(model: nn.Module, previous: list[tuple[Any, str]]) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        try:
+            setter(previous[0][1])
+        except Exception:  # noqa: BLE001 - the per-config assignment below restores it anyway
+            logger.debug("set_attn_implementation(%r) failed while restoring", previous[0][1])
+    for config, implementation in previous:  # sub-configs may have had their own setting
+        config._attn_implementation = implementation
 
 
 def _patch_attention(model: nn.Module, state: dict[str, Any]) -> bool:
@@ -161,13 +243,17 @@ def _patch_attention(model: nn.Module, state: dict[str, Any]) -> bool:
         return False
     if "attention" in state:  # already switched by an earlier apply_tempo
         return False
+    previous = [(config, config._attn_implementation) for config in configs]
     register_tempo_attention()
-    state["attention"] = [(config, config._attn_implementation) for config in configs]
-    _set_attn_implementation(model, TEMPO_ATTENTION)
-    wrong = [c for c in configs if c._attn_implementation != TEMPO_ATTENTION]
-    if wrong:
-        raise RuntimeError(f"could not set attn_implementation='tempo' on {type(model).__name__}")
-    logger.info("attention: %s -> tempo (%d config%s)", state["attention"][0][1], len(configs),
+    try:
+        _set_attn_implementation(model, TEMPO_ATTENTION)
+        if any(c._attn_implementation != TEMPO_ATTENTION for c in configs):
+            raise RuntimeError(f"could not set attn_implementation='tempo' on {type(model).__name__}")
+    except BaseException:
+        _restore_attention(model, previous)
+        raise
+    state["attention"] = previous
+    logger.info("attention: %s -> tempo (%d config%s)", previous[0][1], len(configs),
                 "" if len(configs) == 1 else "s")
     return True
 
@@ -191,9 +277,10 @@ def _check_attention_possible(model: nn.Module) -> None:
 def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, attention: bool = True) -> nn.Module:
     """Swap Tempo's memory-saving layers into ``model`` in place; returns ``model``.
 
-    ``gelu``: exact GELU modules -> InplaceGelu. ``layernorm``: nn.LayerNorm -> InplaceLayerNorm
-    (same Parameters). ``attention``: HF models only, ``attn_implementation`` -> "tempo".
-    See the module docstring for what is and is not replaced. Idempotent.
+    ``gelu``: exact and tanh GELU modules -> InplaceGelu of the same form. ``layernorm``:
+    nn.LayerNorm -> InplaceLayerNorm (same Parameters). ``attention``: HF models only,
+    ``attn_implementation`` -> "tempo" (not when the config sets ``output_attentions=True``).
+    See the module docstring for what is and is not replaced. Idempotent; all or nothing.
 
     With the HF Trainer, patch the model before building the Trainer (the optimizer is created
     from the same Parameters either way, but the Trainer should see the final modules):
@@ -203,19 +290,50 @@ def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, att
     Raises ImportError (before changing anything) when ``attention=True`` on an HF model and the
     installed transformers cannot dispatch its attention to a registered function.
     """
-    if attention:
+    switch_attention = attention
+    if attention and _asks_for_attention_weights(model):
+        switch_attention = False
+        logger.info("attention: %s's config sets output_attentions=True; Tempo attention keeps no attention "
+                    "weights to return, so the attention is left as it is", type(model).__name__)
+    if switch_attention:
         _check_attention_possible(model)
+
+    # 1. Plan: build every replacement; nothing in the model changes if this fails.
+    swaps, skipped = _plan_swaps(model, {"gelu": gelu, "layernorm": layernorm})
+
+    # 2. Apply: swap them all in, then the attention; undo everything if any step fails.
+    had_state = _STATE in model.__dict__
     state = model.__dict__.setdefault(_STATE, {})
-    counts = _swap_modules(model, {"gelu": gelu, "layernorm": layernorm})
+    applied: list[_Swap] = []
+    try:
+        for swap in swaps:
+            swap.parent._modules[swap.name] = swap.new
+            applied.append(swap)
+        if switch_attention:
+            _patch_attention(model, state)
+    except BaseException:
+        for swap in reversed(applied):
+            swap.parent._modules[swap.name] = swap.old
+        if not had_state:
+            model.__dict__.pop(_STATE, None)
+        logger.info("apply_tempo: failed, %s left as it was", type(model).__name__)
+        raise
+
+    counts = Counter(swap.kind for swap in swaps if swap.kind is not None)
+    for swap in swaps:
+        if swap.kind is None:
+            continue
+        old = swap.old
+        if old._forward_hooks or old._forward_pre_hooks or old._backward_hooks:
+            logger.warning("%s has hooks; they stay on the original module and do not run while it is replaced",
+                           swap.qualified)
+        logger.debug("%s: %s -> %s", swap.qualified, type(old).__name__, type(swap.new).__name__)
+    for kind, n in sorted(skipped.items()):
+        logger.info("apply_tempo: left %d %s module%s alone (computes neither the exact nor the tanh GELU "
+                    "that InplaceGelu has)", n, kind, "" if n == 1 else "s")
     for kind, n in sorted(counts.items()):
-        if kind.startswith("skipped"):
-            logger.info("apply_tempo: left %d %s module%s alone (InplaceGelu is exact erf GELU)",
-                        n, kind[len("skipped "):], "" if n == 1 else "s")
-        else:
-            target = "InplaceGelu" if kind == "GELU" else "InplaceLayerNorm"
-            logger.info("apply_tempo: replaced %d %s -> %s", n, kind, target)
-    if attention:
-        _patch_attention(model, state)
+        target = {"GELU": "InplaceGelu", "tanh GELU": "InplaceGelu(approximate='tanh')"}.get(kind, "InplaceLayerNorm")
+        logger.info("apply_tempo: replaced %d %s -> %s", n, kind, target)
     if not counts and not state.get("attention"):
         logger.info("apply_tempo: nothing to replace in %s", type(model).__name__)
     return model
@@ -241,11 +359,7 @@ def revert_tempo(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop(_STATE, {})
     previous = state.get("attention")
     if previous:
-        setter = getattr(model, "set_attn_implementation", None)
-        if callable(setter):
-            setter(previous[0][1])
-        for config, implementation in previous:  # sub-configs may have had their own setting
-            config._attn_implementation = implementation
+        _restore_attention(model, previous)
         logger.info("revert_tempo: attention tempo -> %s", previous[0][1])
     return model
 
@@ -261,4 +375,4 @@ def tempo_patched(model: nn.Module) -> dict[str, int]:
     return dict(counts)
 
 
-__all__ = ["apply_tempo", "revert_tempo", "tempo_patched"]
+__all__ = ["apply_tempo", "revert_tempo", "tempo_patched", "gelu_form"]
