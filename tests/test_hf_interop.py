@@ -311,3 +311,63 @@ def test_compiled_models_save_and_load_plain_names(tmp_path):
         target = torch.compile(BertForPreTraining(cfg))
         load_pretrained(target, path, strict=True)
         assert_same_weights(unwrap_model(target), source)
+
+
+def test_dle_bare_state_dict_in_pt_is_accepted(tmp_path):
+    """`torch.save(model.state_dict(), "x.pt")`, with DDP prefixes and DLE names."""
+    cfg = tiny_config()
+    source = BertForPreTraining(cfg)
+    state = {"module." + k.replace("intermediate.dense.", "intermediate.dense_act."): v
+             for k, v in source.state_dict().items()}
+    path = tmp_path / "bare.pt"
+    torch.save(state, path)
+    target = BertForPreTraining(cfg)
+    report = load_pretrained(target, path, strict=True)
+    assert report.format == "dle" and report.missing_keys == [] and report.unexpected_keys == []
+    assert_same_weights(target, source)
+
+
+def test_pickled_checkpoint_one_line_naming_file_and_flag(tmp_path):
+    cfg = tiny_config()
+    path = tmp_path / "unsafe.pt"
+    source = BertModel(cfg)
+    torch.save({"model": source.state_dict(), "args": NotATensor()}, path)
+    with pytest.raises(CheckpointError) as err:
+        load_pretrained(BertModel(cfg), path)
+    message = str(err.value)
+    assert "\n" not in message and "\x1b" not in message
+    assert str(path) in message and "--allow-pickle" in message and "NotATensor" in message
+    target = BertModel(cfg)
+    load_pretrained(target, path, strict=True, allow_pickle=True)  # the caller trusts the file
+    assert_same_weights(target, source)
+
+
+def test_empty_and_truncated_files_one_line(tmp_path):
+    cfg = tiny_config()
+    good = tmp_path / "good.pt"
+    torch.save({"model": BertModel(cfg).state_dict()}, good)
+    data = good.read_bytes()
+    empty, truncated = tmp_path / "empty.pt", tmp_path / "truncated.pt"
+    empty.write_bytes(b"")
+    truncated.write_bytes(data[: len(data) // 2])
+    for path, what in ((empty, "empty"), (truncated, "truncated")):
+        with pytest.raises(CheckpointError) as err:
+            load_pretrained(BertModel(cfg), path)
+        message = str(err.value)
+        assert message.startswith(str(path)) and what in message and "\n" not in message and "\x1b" not in message
+
+
+def test_load_report_lines_and_decoder_only_tie(tmp_path):
+    cfg = tiny_config()
+    source = BertForPreTraining(cfg)
+    state = {k: v.clone() for k, v in source.state_dict().items() if k != "bert.embeddings.word_embeddings.weight"}
+    state["extra.weight"] = torch.zeros(2)
+    path = tmp_path / "decoder_named.pt"
+    torch.save({"model": state}, path)  # the shared tensor kept under the decoder's name only
+    target = BertForPreTraining(cfg)
+    report = load_pretrained(target, path)
+    assert torch.equal(target.bert.embeddings.word_embeddings.weight, source.bert.embeddings.word_embeddings.weight)
+    lines = report.lines()
+    assert lines[0].startswith(f"loaded {len(report.loaded)} tensors from {path}")
+    assert lines[1] == "missing keys (left as initialised) none"
+    assert lines[2] == "unused keys (in the file, not in the model) 1: extra.weight"

@@ -8,6 +8,12 @@ Our parameter names are HF's, so most of the work is normalising the spellings o
   * the tied MLM decoder (`cls.predictions.decoder.weight`), which HF omits from its files,
   * vocabulary rows: files hold `vocab_size` rows (DLE: already padded), the model has
     `padded_vocab_size`; missing rows are filled with zeros.
+
+DLE .pt files are read with ``weights_only=True``: a file that pickles anything beyond tensors and
+plain containers is refused with one line naming it, unless the caller passes ``allow_pickle=True``
+(``tempo-convert --allow-pickle``), which is only for files you trust. DLE's config says "gelu"
+whichever GELU form its modeling.py computed (see tempo.bert.config.GELU_APPROXIMATE_HELP): the
+form is the model's config (``BertConfig.with_gelu``), never guessed from the file.
 """
 
 from __future__ import annotations
@@ -51,12 +57,26 @@ class LoadReport:
     missing_keys: list[str] = field(default_factory=list)     # model keys the file lacked
     unexpected_keys: list[str] = field(default_factory=list)  # file keys the model has no place for
     padded_keys: list[str] = field(default_factory=list)      # vocab rows filled with zeros
+    format: str = ""                                          # "hf", "dle" or "torch"
 
     def __str__(self) -> str:
         return (f"{self.source}: loaded {len(self.loaded)} tensors; "
                 f"missing {self.missing_keys or 'none'}; "
                 f"unexpected {self.unexpected_keys or 'none'}; "
                 f"vocab-padded {self.padded_keys or 'none'}")
+
+    def lines(self) -> list[str]:
+        """The report for a log: what was loaded, then one line per group of keys."""
+        def group(keys: list[str]) -> str:
+            return f"{len(keys)}: {', '.join(keys)}" if keys else "none"
+
+        out = [f"loaded {len(self.loaded)} tensors from {self.source}"
+               + (f" ({self.format} format)" if self.format else ""),
+               f"missing keys (left as initialised) {group(self.missing_keys)}",
+               f"unused keys (in the file, not in the model) {group(self.unexpected_keys)}"]
+        if self.padded_keys:
+            out.append(f"vocabulary rows zero-padded to the model's size in {group(self.padded_keys)}")
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +152,11 @@ def load_state_dict_into(model: nn.Module, state: Mapping[str, Tensor], source: 
         incoming[_normalize_key(raw_key, model_has_bert_prefix)] = tensor
 
     # The MLM decoder weight is the word embedding (tied); HF's decoder bias is the MLM bias.
-    incoming.pop(_TIED_DECODER, None)
+    # A file that kept only the decoder's name for the shared tensor still provides the embedding.
+    decoder = incoming.pop(_TIED_DECODER, None)
+    embedding = ("bert." if model_has_bert_prefix else "") + _VOCAB_ROW_KEYS[0]
+    if decoder is not None and embedding not in incoming and embedding in ours:
+        incoming[embedding] = decoder
     decoder_bias = incoming.pop(_DECODER_BIAS, None)
     if decoder_bias is not None and _MLM_BIAS not in incoming:
         incoming[_MLM_BIAS] = decoder_bias
@@ -213,7 +237,9 @@ def load_hf_checkpoint(model: nn.Module, path_or_dir: str | os.PathLike,
                        strict: bool = False) -> LoadReport:
     """Load HF BERT weights (file, folder, or the folder's config.json) into our model."""
     state, source = _read_hf_weights(Path(path_or_dir))
-    return load_state_dict_into(model, state, source, strict=strict)
+    report = load_state_dict_into(model, state, source, strict=strict)
+    report.format = "hf"
+    return report
 
 
 _ARCHITECTURES = {
@@ -236,81 +262,135 @@ def hf_config_dict(config: BertConfig, architecture: str) -> dict:
     return d
 
 
+def write_hf_files(tensors: Mapping[str, Tensor], config: BertConfig, architecture: str,
+                   out_dir: str | os.PathLike) -> Path:
+    """`model.safetensors` (the tensors as given, in their own contiguous storage) and an HF
+    `config.json` into out_dir, each file atomically. Returns out_dir."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Own, contiguous storage: safetensors refuses shared or strided tensors.
+    owned = {key: t.detach().to("cpu").contiguous().clone() for key, t in tensors.items()}
+    config_text = json.dumps(hf_config_dict(config, architecture), indent=2, sort_keys=True) + "\n"
+    with atomic_path(out_dir / SAFETENSORS_NAME) as tmp:
+        save_file(owned, str(tmp), metadata={"format": "pt"})
+    atomic_write_text(out_dir / CONFIG_NAME, config_text)
+    return out_dir
+
+
 def save_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike,
                        config: Optional[BertConfig] = None) -> Path:
     """Write `model.safetensors` (HF names, vocab un-padded, tied decoder omitted as HF does)
     and an HF-style `config.json` into out_dir. Returns out_dir."""
-    from safetensors.torch import save_file
-
     model = unwrap_model(model)
     config = config if config is not None else model.config
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
     tensors: dict[str, Tensor] = {}
     for key, tensor in model.state_dict().items():
         if key == _TIED_DECODER:
             continue
         if key.endswith(_VOCAB_ROW_KEYS):
             tensor = tensor[: config.vocab_size]
-        # Own, contiguous storage: safetensors refuses shared or strided tensors.
-        tensors[key] = tensor.detach().to("cpu").contiguous().clone()
-
+        tensors[key] = tensor
     architecture = _ARCHITECTURES.get(type(model).__name__, "BertModel")
-    config_text = json.dumps(hf_config_dict(config, architecture), indent=2, sort_keys=True) + "\n"
-    with atomic_path(out_dir / SAFETENSORS_NAME) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    atomic_write_text(out_dir / CONFIG_NAME, config_text)
-    return out_dir
+    return write_hf_files(tensors, config, architecture, out_dir)
 
 
 # ---------------------------------------------------------------------------------------------
 # NVIDIA DLE
 # ---------------------------------------------------------------------------------------------
-def _torch_load_weights_only(path: Path):
-    # weights_only: a checkpoint is data; never let it run code while unpickling.
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _torch_load(path: Path, allow_pickle: bool = False):
+    """torch.load on the CPU; weights_only unless allow_pickle. Every failure is one CheckpointError
+    line naming the file (torch's own messages span lines and carry terminal escape codes)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        size = path.stat().st_size
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint ({e.strerror or e})") from e
+    if size == 0:
+        raise CheckpointError(f"{path}: the checkpoint file is empty (0 bytes)")
+    try:
+        # weights_only: a checkpoint is data; never let it run code while unpickling.
+        return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"{path}: refused to load: it holds objects other than tensors and plain containers "
-            f"(only weights_only loading is allowed). Details: {e}") from e
-    except Exception as e:  # a corrupt file can fail anywhere inside the unpickler
-        raise CheckpointError(f"{path}: cannot read checkpoint "
-                              f"({type(e).__name__}: {e})") from e
+        message = str(e)
+        if not allow_pickle and "Weights only load failed" in message:
+            found = _REFUSED_GLOBAL.search(message)
+            what = f" ({found.group(1)})" if found else ""
+            raise CheckpointError(
+                f"{path}: refused: it pickles Python objects other than tensors{what}, which weights_only "
+                f"loading does not run; if you trust this file, convert it once with "
+                f"`tempo-convert {path} OUT --allow-pickle` (or pass allow_pickle=True)") from None
+        raise CheckpointError(f"{path}: cannot read checkpoint: corrupt pickle data ({size} bytes)") from None
+    except Exception as e:  # a truncated or foreign file fails anywhere inside the reader
+        raise CheckpointError(f"{path}: cannot read checkpoint: truncated, corrupt or not a torch file "
+                              f"({size} bytes; {type(e).__name__})") from None
 
 
-def load_dle_checkpoint(model: nn.Module, path: str | os.PathLike,
-                        strict: bool = False) -> LoadReport:
-    """Load an NVIDIA DLE checkpoint, `{"model": state_dict, ...}`, into our model."""
+def _torch_load_weights_only(path: Path):
+    return _torch_load(path, allow_pickle=False)
+
+
+def read_torch_state_dict(path: str | os.PathLike, allow_pickle: bool = False) -> dict[str, Tensor]:
+    """The state dict of a DLE-style torch file: ``{"model": state_dict, ...}`` (DLE's
+    run_pretraining/run_squad) or a bare state dict (``torch.save(model.state_dict())``)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    obj = _torch_load_weights_only(path)
-    if not isinstance(obj, Mapping) or "model" not in obj:
+    obj = _torch_load(path, allow_pickle=allow_pickle)
+    if isinstance(obj, Mapping) and "model" in obj:
+        state = obj["model"]
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"{path}: 'model' entry is a {type(state).__name__}, not a state dict")
+    elif isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
+        state = obj
+    else:
         found = sorted(map(str, obj))[:10] if isinstance(obj, Mapping) else type(obj).__name__
-        raise CheckpointError(f"{path}: not a DLE checkpoint: expected a dict with a 'model' "
-                              f"state dict, found {found}")
-    if not isinstance(obj["model"], Mapping):
-        raise CheckpointError(f"{path}: 'model' entry is a {type(obj['model']).__name__}, "
-                              "not a state dict")
-    return load_state_dict_into(model, obj["model"], path, strict=strict)
+        raise CheckpointError(f"{path}: not a DLE checkpoint: expected a dict with a 'model' state dict "
+                              f"or a bare state dict of tensors, found {found}")
+    bad = [str(k) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, Tensor)]
+    if bad:
+        raise CheckpointError(f"{path}: state dict entry '{bad[0]}' is not a named tensor")
+    if not state:
+        raise CheckpointError(f"{path}: the state dict holds no tensors")
+    return dict(state)
 
 
-def load_pretrained(model: nn.Module, path: str | os.PathLike, strict: bool = False) -> LoadReport:
-    """Dispatch on the path: folder or .safetensors -> HF; .pt/.pth/.bin -> DLE-style torch file."""
+def load_dle_checkpoint(model: nn.Module, path: str | os.PathLike,
+                        strict: bool = False, allow_pickle: bool = False) -> LoadReport:
+    """Load an NVIDIA DLE checkpoint (`{"model": state_dict, ...}` or a bare state dict) into our
+    model. The GELU form is the model's: build it from ``config.with_gelu(...)``."""
+    path = Path(path)
+    report = load_state_dict_into(model, read_torch_state_dict(path, allow_pickle), path, strict=strict)
+    report.format = "dle"
+    return report
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike, strict: bool = False,
+                    allow_pickle: bool = False) -> LoadReport:
+    """Dispatch on the path: folder or .safetensors -> HF; .pt/.pth/.bin -> DLE-style torch file
+    (``{"model": ...}`` or a bare state dict). ``allow_pickle``: unrestricted unpickling of torch
+    files, only for files you trust."""
     path = Path(path)
     suffix = path.suffix.lower()
     if path.is_dir() or suffix == ".safetensors" or path.name == CONFIG_NAME:
         return load_hf_checkpoint(model, path, strict=strict)
     if suffix in (".pt", ".pth"):
-        return load_dle_checkpoint(model, path, strict=strict)
+        return load_dle_checkpoint(model, path, strict=strict, allow_pickle=allow_pickle)
     if suffix == ".bin":
         # HF's legacy pytorch_model.bin is a bare state dict; DLE files wrap it in {"model": ...}.
-        obj = _torch_load_weights_only(path)
-        state = obj["model"] if isinstance(obj, Mapping) and "model" in obj else obj
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"{path}: expected a state dict, found {type(state).__name__}")
-        return load_state_dict_into(model, state, path, strict=strict)
+        report = load_state_dict_into(model, read_torch_state_dict(path, allow_pickle), path, strict=strict)
+        report.format = "torch"
+        return report
     raise CheckpointError(f"{path}: unknown checkpoint type; expected a folder, .safetensors, "
                           ".pt, .pth or .bin")
+
+
+def dle_gelu_note(config: BertConfig) -> str:
+    """What to tell a user who loads a DLE file without choosing the GELU form explicitly."""
+    return (f"note: DLE configs say 'gelu' for both GELU forms; this model computes the "
+            f"{'exact erf' if config.gelu_approximate == 'none' else 'tanh'} form (hidden_act "
+            f"{config.hidden_act!r}). Checkpoints trained with DLE's modeling.py since 2022-03 use the tanh "
+            f"form: pass --gelu_approximate tanh (BertConfig.with_gelu('tanh')) for those")
