@@ -528,3 +528,58 @@ def test_bad_config_and_paths(tmp_path):
         untied = {k: v.clone() for k, v in dle_model().state_dict().items()}
         untied["cls.predictions.decoder.weight"] += 1
         convert.canonical_tensors(untied, tmp_path / "untied.pt")
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainers: --gelu_approximate and the load report of --init_checkpoint
+# ---------------------------------------------------------------------------------------------
+def test_run_pretraining_reports_the_load_and_takes_the_gelu_form(tmp_path):
+    dle = save_dle(dle_model(), tmp_path / "ckpt_100.pt")
+    config = write_dle_config(tmp_path)
+
+    def pretrain(out, *extra):
+        cmd = [sys.executable, str(REPO / "run_pretraining.py"), "--synthetic_data", "--config_file", str(config),
+               "--output_dir", str(out), "--max_seq_length", "16", "--max_predictions_per_seq", "3",
+               "--train_batch_size", "2", "--max_steps", "1", "--num_workers", "0", "--disable_progress_bar",
+               "--no_cuda", "--no-tempo", "--init_checkpoint", str(dle), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        saved = torch.load(out / "checkpoints" / "ckpt_1" / "training_state.pt", weights_only=True)
+        return result.stdout, saved["extra"]["config"]["hidden_act"]
+
+    out, hidden_act = pretrain(tmp_path / "tanh", "--gelu_approximate", "tanh")
+    assert hidden_act == "gelu_pytorch_tanh"
+    assert f"run_pretraining.py: init_checkpoint: loaded 46 tensors from {dle} (dle format)" in out
+    assert "run_pretraining.py: init_checkpoint: missing keys (left as initialised) none" in out
+    assert "run_pretraining.py: init_checkpoint: unused keys (in the file, not in the model) none" in out
+    assert "--gelu_approximate tanh" not in out
+
+    out, hidden_act = pretrain(tmp_path / "default")
+    assert hidden_act == "gelu" and "note: DLE configs say 'gelu' for both GELU forms" in out
+
+
+def test_run_squad_takes_the_gelu_form_from_the_flag(tmp_path, capsys):
+    from tempo.bert.data.qa_generator import write_qa_set
+    from tempo.bert.hf_interop import minilm_dir
+    from tempo.bert.model import BertForQuestionAnswering
+    from tempo.tasks.squad import main as squad_main
+
+    try:
+        vocab = minilm_dir() / "vocab.txt"
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    config = BertConfig.from_json_file(REPO / "configs" / "bert_tiny.json")
+    state = {convert.dle_key(k): v for k, v in BertForQuestionAnswering(config).state_dict().items()}
+    torch.save({"model": state}, tmp_path / "squad.pt")
+    _, dev = write_qa_set(tmp_path / "qa", num_train=4, num_dev=4, seed=7)
+    args = ["--init_checkpoint", str(tmp_path / "squad.pt"), "--config_file", str(REPO / "configs" / "bert_tiny.json"),
+            "--vocab_file", str(vocab), "--do_predict", "--predict_file", str(dev), "--max_seq_length", "96",
+            "--doc_stride", "32", "--max_query_length", "24", "--disable-progress-bar", "--num_workers", "0",
+            "--no-tempo", "--skip_cache"]
+    assert squad_main([*args, "--output_dir", str(tmp_path / "tanh"), "--gelu_approximate", "tanh"]) == 0
+    out = capsys.readouterr().out
+    assert "run_squad.py: init_checkpoint: missing keys (left as initialised) none" in out
+    assert "note: DLE configs" not in out
+    assert squad_main([*args, "--output_dir", str(tmp_path / "exact")]) == 0
+    assert "note: DLE configs say 'gelu' for both GELU forms" in capsys.readouterr().out

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tempo.bert.config import BertConfig
+from tempo.bert.config import BertConfig, add_gelu_approximate_flag
 from tempo.bert.model import BertForPreTraining
 from tempo.train.checkpointing import install_sigterm_handler, save_checkpoint
 from tempo.train.dllog import JsonLogger
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps left out of the throughput figure (default: 10%% of the run, at least 1)")
     add_training_flags(p)
     add_tempo_flags(p)
+    add_gelu_approximate_flag(p)
     return p
 
 
@@ -190,8 +191,13 @@ def _restore(args, model, optimizer, scheduler, scaler, batches) -> tuple[int, P
     if args.init_checkpoint:
         from tempo.bert.hf_interop import load_pretrained
 
-        load_pretrained(model, args.init_checkpoint)
-        print(f"{PROG}: initialised weights from {args.init_checkpoint}")
+        report = load_pretrained(model, args.init_checkpoint)
+        for line in report.lines():
+            print(f"{PROG}: init_checkpoint: {line}")
+        if report.format == "dle" and args.gelu_approximate is None:
+            from tempo.bert.hf_interop import dle_gelu_note
+
+            print(f"{PROG}: {dle_gelu_note(model.config)}")
     return 0, None, False
 
 
@@ -205,7 +211,7 @@ def _reset_optimizer_steps(optimizer: torch.optim.Optimizer) -> None:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    config = BertConfig.from_json_file(args.config_file)
+    config = BertConfig.from_json_file(args.config_file).with_gelu(args.gelu_approximate)
     validate_args(args, config)
     precision = precision_from_flags(args.fp16, args.bf16, args.tf32)
     rt = setup_runtime(args.local_rank, force_cpu=args.no_cuda)

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_workers", type=int, default=2, help="data-loader worker processes")
     add_training_flags(p)
     add_tempo_flags(p)
+    from tempo.bert.config import add_gelu_approximate_flag
+
+    add_gelu_approximate_flag(p)
     return p
 
 
@@ -372,7 +375,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tempo.bert.model import BertForQuestionAnswering
 
     resolve_args(args)
-    config = BertConfig.from_json_file(args.config_file)
+    config = BertConfig.from_json_file(args.config_file).with_gelu(args.gelu_approximate)
     tokenizer = WordPieceTokenizer(args.vocab_file, lower_case=args.do_lower_case)
     _check_model_fits(args, config, tokenizer)
     precision = precision_from_flags(args.fp16, args.bf16, args.tf32)
@@ -406,7 +409,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.init_checkpoint:
             report = load_pretrained(model, args.init_checkpoint)
             if rt.is_main:
-                print(f"{PROG}: initialised from {report}")
+                for line in report.lines():
+                    print(f"{PROG}: init_checkpoint: {line}")
+                if report.format == "dle" and args.gelu_approximate is None:
+                    from tempo.bert.hf_interop import dle_gelu_note
+
+                    print(f"{PROG}: {dle_gelu_note(config)}")
         elif rt.is_main:
             print(f"{PROG}: warning: no --init_checkpoint; fine-tuning from random weights", file=sys.stderr)
         model.to(rt.device)
