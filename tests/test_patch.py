@@ -757,3 +757,14 @@ def test_meta_device_model_in_a_fresh_process(order):
                             cwd=root, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"ok {order}" in result.stdout
+
+
+def test_attention_function_compiles_with_fullgraph():
+    """The attention-weights check reads a ContextVar, which Dynamo cannot trace: it is skipped
+    under torch.compile, so the function still compiles as one graph."""
+    module = _Attn().eval()
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    mask = torch.zeros(2, 1, 5, 5)
+    compiled = torch.compile(lambda q, k, v, m: hf_attention.tempo_attention_forward(module, q, k, v, m, scaling=0.3)[0],
+                             backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, mask), eager(q, k, v, mask, 0.3), atol=1e-6, rtol=0)

@@ -131,6 +131,10 @@ def attention_weights_requested(kwargs: dict[str, Any]) -> bool:
     (transformers 4.x), or transformers 5.x's output collector recording "attentions"."""
     if kwargs.get("output_attentions"):
         return True
+    if torch.compiler.is_compiling():
+        # Dynamo does not trace ContextVar reads, and transformers' output capture does not run
+        # under torch.compile either: nothing to detect there.
+        return False
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
