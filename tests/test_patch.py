@@ -742,6 +742,18 @@ ids = torch.randint(1, 100, (2, 7))
 with torch.no_grad():
     diff = (model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max().item()
 assert diff < 1e-5, diff
+with torch.device("meta"):  # or initialise instead of loading
+    fresh = apply_tempo(transformers.BertForMaskedLM(config))
+fresh.to_empty(device="cpu")
+with torch.no_grad():
+    for p in fresh.parameters():
+        p.fill_(5.0)
+fresh.init_weights()
+stale = [n for n, p in fresh.named_parameters() if bool((p == 5.0).all())]
+assert not stale, stale
+assert bool((fresh.bert.encoder.layer[0].output.LayerNorm.weight == 1).all())
+with torch.no_grad():
+    assert torch.isfinite(fresh.eval()(input_ids=ids).logits).all()
 print("ok", order, diff)
 """
 
