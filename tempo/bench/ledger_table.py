@@ -77,14 +77,15 @@ def _hf_layer_ledger(attn_impl: str, config: Any, seq_len: int, batch: int, dtyp
 
 
 # -- per added layer in a stack (what a deeper model pays per layer) --------------------------
-STACK_VARIANTS = ("original", "tempo", "tempo-floor", "hf-eager", "hf-tempo")
+STACK_VARIANTS = ("original", "tempo", "tempo-floor", "hf-eager", "hf-tempo", "hf-tempo-floor")
 _STACK_CHOICES = {"original": TempoChoice.original(attention="eager"), "tempo": TempoChoice.full(attention="tempo"),
                   "tempo-floor": TempoChoice.floor()}
 
 
 def _stack_model(variant: str, layers: int, config: Any, device: str) -> tuple[Any, Any]:
     """(model, forward(ids)) for ``layers`` encoder layers: ours with a TempoChoice, or HF's BertModel
-    (hf-eager as transformers builds it, hf-tempo after apply_tempo)."""
+    (hf-eager as transformers builds it, hf-tempo after apply_tempo, hf-tempo-floor after
+    apply_tempo(attention="efficient", dropout_add_layernorm=True))."""
     torch.manual_seed(0)
     if variant.startswith("hf-"):
         import transformers
@@ -98,6 +99,8 @@ def _stack_model(variant: str, layers: int, config: Any, device: str) -> tuple[A
         model = transformers.BertModel(hf_config, add_pooling_layer=False).to(device).train()
         if variant == "hf-tempo":
             apply_tempo(model)
+        elif variant == "hf-tempo-floor":
+            apply_tempo(model, attention="efficient", dropout_add_layernorm=True)
         return model, lambda ids: model(input_ids=ids)
     from dataclasses import replace
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from tempo.choices import DEFAULT_KINDS, TEMPO_ATTENTIONS, TempoChoice
+from tempo.choices import DEFAULT_KINDS, LAYER_KINDS, TEMPO_ATTENTIONS, TempoChoice
 from tempo.memory import gradient_bytes, optimizer_state_bytes, weight_bytes
 from tempo.train.step import TrainStep, to_device
 from tempo.train.max_batch import search_max_batch
@@ -65,16 +65,15 @@ def apply_choice(choice: TempoChoice, model: nn.Module) -> nn.Module:
     is set per model (HF has one attn_implementation per config), never on some layers only."""
     if choice.is_none:
         return model
-    if choice.dropout_add_layernorm:
-        raise NotImplementedError("apply_tempo cannot fuse dropout-add-LayerNorm into existing models yet; "
-                                  "choose from the kinds gelu, layernorm, attention")
-    attention = choice.attention in TEMPO_ATTENTIONS
+    attention = choice.attention if choice.attention in TEMPO_ATTENTIONS else False
+    fused = choice.dropout_add_layernorm
     if choice.first_layers is None:
-        return apply_tempo(model, gelu=choice.gelu, layernorm=choice.layernorm, attention=attention)
+        return apply_tempo(model, gelu=choice.gelu, layernorm=choice.layernorm, attention=attention,
+                           dropout_add_layernorm=fused)
     for block in transformer_blocks(model)[: choice.first_layers]:
-        apply_tempo(block, gelu=choice.gelu, layernorm=choice.layernorm, attention=False)
+        apply_tempo(block, gelu=choice.gelu, layernorm=choice.layernorm, attention=False, dropout_add_layernorm=fused)
     if attention:
-        apply_tempo(model, gelu=False, layernorm=False, attention=True)
+        apply_tempo(model, gelu=False, layernorm=False, attention=attention)
     return model
 
 
@@ -283,10 +282,13 @@ def _still_rising(curve: list[Measurement], min_gain: float) -> tuple[bool, str]
 
 
 def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = DEFAULT_KINDS) -> list[TempoChoice]:
-    """No Tempo, each kind alone, all kinds, and all kinds on the first 1/4, 1/2, 3/4 of the layers."""
+    """No Tempo, each kind alone, all kinds, and all kinds on the first 1/4, 1/2, 3/4 of the layers;
+    with the paper's three kinds also every Tempo layer with efficient attention (the floor)."""
     candidates = [TempoChoice.none()] + [TempoChoice.full([k]) for k in kinds]
     if len(kinds) > 1:
         candidates.append(TempoChoice.full(kinds))
+    if set(DEFAULT_KINDS) <= set(kinds):
+        candidates.append(TempoChoice.floor())
     if num_layers:
         for k in sorted({max(1, num_layers * q // 4) for q in (1, 2, 3)} - {num_layers}):
             candidates.append(replace(TempoChoice.full(kinds), first_layers=k))
@@ -309,9 +311,9 @@ def auto_tempo(model_factory: ModelFactory, batch_factory: Optional[BatchFactory
     """
     if policy not in ("fast", "smart"):
         raise ValueError(f"policy must be 'fast' or 'smart', got {policy!r}")
-    unknown = set(kinds) - set(DEFAULT_KINDS)
+    unknown = set(kinds) - set(LAYER_KINDS)
     if unknown:
-        raise ValueError(f"unknown Tempo layer kinds {sorted(unknown)}; choose from {DEFAULT_KINDS}")
+        raise ValueError(f"unknown Tempo layer kinds {sorted(unknown)}; choose from {LAYER_KINDS}")
     if measure is None:
         if batch_factory is None:
             raise ValueError("auto_tempo needs batch_factory (for the default measure) or measure")

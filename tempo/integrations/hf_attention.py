@@ -40,7 +40,8 @@ from tempo.ops.combined import combined_softmax_dropout_matmul
 
 logger = logging.getLogger("tempo.integrations.hf_attention")
 
-TEMPO_ATTENTION = "tempo"
+TEMPO_ATTENTION = "tempo"  # the paper's Combined softmax -> dropout -> matmul
+TEMPO_EFFICIENT_ATTENTION = "tempo_efficient"  # tempo.efficient_attention: O(s) kept per row
 MIN_ATTENTION_INTERFACE_VERSION = "4.50"
 MIN_MASK_INTERFACE_VERSION = "4.53"
 
@@ -83,13 +84,18 @@ def require_attention_interface() -> None:
 
 
 def register_tempo_attention() -> None:
-    """Register "tempo" with the attention (and, where it exists, the mask) interface. Idempotent."""
+    """Register "tempo" and "tempo_efficient" with the attention (and, where it exists, the mask)
+    interface. Idempotent."""
     require_attention_interface()
     _attention_interface().register(TEMPO_ATTENTION, tempo_attention_forward)
+    _attention_interface().register(TEMPO_EFFICIENT_ATTENTION, tempo_efficient_attention_forward)
     masks = _mask_interface()
     if masks is not None:
-        # Whatever eager uses in this version: a 4D additive float mask (0 / dtype min).
+        # "tempo": whatever eager uses in this version, a 4D additive float mask (0 / dtype min).
         masks.register(TEMPO_ATTENTION, masks._global_mapping["eager"])
+        # "tempo_efficient": sdpa's, a boolean mask (True = attend), or None when nothing is masked
+        # or causality alone masks (then is_causal is used), so fused kernels can take the call.
+        masks.register(TEMPO_EFFICIENT_ATTENTION, masks._global_mapping["sdpa"])
 
 
 def model_dispatches_attention(model: nn.Module) -> bool:
@@ -229,8 +235,51 @@ def tempo_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
     return out.transpose(1, 2).contiguous(), None
 
 
+def tempo_efficient_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                      attention_mask: Optional[Tensor], scaling: Optional[float] = None,
+                                      dropout: float = 0.0, head_mask: Optional[Tensor] = None,
+                                      **kwargs: Any) -> tuple[Tensor, Optional[Tensor]]:
+    """Attention through ``tempo.efficient_attention`` (keeps q, k, v, the output, an fp32
+    log-sum-exp per row and a seed); the AttentionInterface signature. Returns
+    ([batch, q_len, heads, head_dim], None) without a copy: the output is stored in that layout.
+    """
+    from tempo.ops.attention import efficient_attention
+
+    if attention_weights_requested(kwargs):
+        if scaling is None:
+            scaling = _default_scaling(module, query.shape[-1])
+        if head_mask is not None:
+            kwargs["head_mask"] = head_mask
+        return _eager_fallback(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                       dropout=dropout, **kwargs)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if scaling is None:
+        scaling = _default_scaling(module, query.shape[-1])
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4:
+        mask = mask[:, :, :, : key.shape[-2]]
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", False)
+    # With a mask, causality is in it (as for sdpa); without one, the flag applies it.
+    causal = bool(is_causal) and mask is None and query.shape[-2] > 1
+    out = efficient_attention(query, key, value, attn_mask=mask, dropout_p=float(dropout), is_causal=causal,
+                              scale=scaling, training=module.training)
+    if head_mask is not None:
+        if head_mask.dim() < 2 or head_mask.shape[-1] != 1 or head_mask.shape[-2] != 1:
+            raise ValueError(f"tempo attention: head_mask of shape {tuple(head_mask.shape)} is not "
+                             "per head; only [.., heads, 1, 1] masks are supported")
+        out = out * head_mask
+    return out.transpose(1, 2), None
+
+
 __all__ = [
     "TEMPO_ATTENTION",
+    "TEMPO_EFFICIENT_ATTENTION",
+    "tempo_efficient_attention_forward",
     "MIN_ATTENTION_INTERFACE_VERSION",
     "MIN_MASK_INTERFACE_VERSION",
     "register_tempo_attention",

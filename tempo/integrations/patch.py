@@ -140,6 +140,60 @@ def _make_gelu(old: nn.Module, approximate: str) -> nn.Module:
     return InplaceGelu(approximate=approximate)
 
 
+# HF modules computing LayerNorm(dropout(dense(hidden)) + input_tensor): BERT's residual blocks and
+# their copies in RoBERTa, XLM-R, CamemBERT, ELECTRA. Checked by structure (and numerically when
+# the weights are real) before they are fused.
+_RESIDUAL_BLOCKS = {f"{family}{part}" for family in ("Bert", "Roberta", "XLMRoberta", "Camembert", "Electra")
+                    for part in ("SelfOutput", "Output")}
+
+
+class FusedResidualOutput(nn.Module):
+    """A ``BertSelfOutput``/``BertOutput``-style block with its dropout, residual add and LayerNorm
+    fused into one ``DropoutAddLayerNorm``: same ``dense`` module, same LayerNorm Parameters under
+    the same state_dict keys; keeps no dropout mask and no pre-LN sum."""
+
+    def __init__(self, old: nn.Module):
+        super().__init__()
+        from tempo.ops.dropout_add_layernorm import DropoutAddLayerNorm
+
+        ln = old.LayerNorm
+        self.dense = old.dense  # the same module object: its Parameters, hooks and tying stay
+        self.LayerNorm = DropoutAddLayerNorm(ln.normalized_shape, float(old.dropout.p), eps=ln.eps,
+                                             elementwise_affine=ln.elementwise_affine,
+                                             bias=getattr(ln, "bias", None) is not None, device="meta")
+        _move_parameters(ln, self.LayerNorm)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(hidden_states), input_tensor)
+
+    def _tempo_restore(self, original: nn.Module) -> None:
+        """revert_tempo: the original block gets this one's current Parameters back."""
+        original.dense = self.dense
+        _move_parameters(self.LayerNorm, original.LayerNorm)
+
+
+def _is_residual_block(module: nn.Module) -> bool:
+    if type(module).__name__ not in _RESIDUAL_BLOCKS:
+        return False
+    parts = (getattr(module, "dense", None), getattr(module, "LayerNorm", None), getattr(module, "dropout", None))
+    if not (isinstance(parts[0], nn.Linear) and type(parts[1]) is nn.LayerNorm and isinstance(parts[2], nn.Dropout)):
+        return False
+    if parts[0].weight.is_meta:
+        return True  # nothing to compute with yet; the structure is BERT's
+    # Numerically, in eval mode (dropout off): LayerNorm(dense(h) + r).
+    with torch.no_grad():
+        h = torch.randn(2, 3, parts[0].in_features, dtype=parts[0].weight.dtype, device=parts[0].weight.device)
+        r = torch.randn(2, 3, parts[0].out_features, dtype=h.dtype, device=h.device)
+        was_training = module.training
+        module.eval()
+        try:
+            got = module(h, r)
+        finally:
+            module.train(was_training)
+        want = parts[1](parts[0](h) + r)
+    return torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def _move_parameters(src: nn.Module, dst: nn.Module) -> None:
     """Register src's Parameter objects (not copies) on dst under the same names."""
     for name, param in src.named_parameters(recurse=False):
@@ -151,6 +205,8 @@ def _move_parameters(src: nn.Module, dst: nn.Module) -> None:
 
 def _replacement_for(module: nn.Module, options: dict[str, bool]) -> tuple[Optional[str], Optional[nn.Module]]:
     """(kind, new module) for a module Tempo replaces, (kind, None) for one it deliberately skips."""
+    if options.get("dropout_add_layernorm") and _is_residual_block(module):
+        return "dropout-add-LayerNorm", FusedResidualOutput(module)
     if type(module) is nn.LayerNorm:
         return ("LayerNorm", _make_layernorm(module)) if options["layernorm"] else (None, None)
     candidate, form = gelu_form(module)
@@ -177,6 +233,8 @@ def _plan_swaps(model: nn.Module, options: dict[str, bool]) -> tuple[list[_Swap]
     skipped: Counter = Counter()
     planned: dict[int, nn.Module] = {}  # a module shared by several parents gets one replacement
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
+        if any(parent is swap.old for swap in swaps):
+            continue  # replaced as a whole (a fused residual block): its children stay as they are
         for child_name, child in list(parent._modules.items()):
             if child is None:
                 continue
@@ -234,8 +292,21 @@ def _restore_attention(model: nn.Module, previous: list[tuple[Any, str]]) -> Non
         config._attn_implementation = implementation
 
 
-def _patch_attention(model: nn.Module, state: dict[str, Any]) -> bool:
-    from tempo.integrations.hf_attention import TEMPO_ATTENTION, register_tempo_attention
+def _attention_implementation(attention: bool | str) -> Optional[str]:
+    """apply_tempo's ``attention`` argument -> the attn_implementation to set (None: leave it)."""
+    from tempo.integrations.hf_attention import TEMPO_ATTENTION, TEMPO_EFFICIENT_ATTENTION
+
+    if attention is False or attention is None:
+        return None
+    choices = {True: TEMPO_ATTENTION, "tempo": TEMPO_ATTENTION, "efficient": TEMPO_EFFICIENT_ATTENTION}
+    if attention not in choices:
+        raise ValueError(f"apply_tempo: argument 'attention' must be True, False, 'tempo' or 'efficient', "
+                         f"got {attention!r}")
+    return choices[attention]
+
+
+def _patch_attention(model: nn.Module, state: dict[str, Any], implementation: str) -> bool:
+    from tempo.integrations.hf_attention import register_tempo_attention
 
     configs = _configs_of(model)
     if not configs:
@@ -246,14 +317,14 @@ def _patch_attention(model: nn.Module, state: dict[str, Any]) -> bool:
     previous = [(config, config._attn_implementation) for config in configs]
     register_tempo_attention()
     try:
-        _set_attn_implementation(model, TEMPO_ATTENTION)
-        if any(c._attn_implementation != TEMPO_ATTENTION for c in configs):
-            raise RuntimeError(f"could not set attn_implementation='tempo' on {type(model).__name__}")
+        _set_attn_implementation(model, implementation)
+        if any(c._attn_implementation != implementation for c in configs):
+            raise RuntimeError(f"could not set attn_implementation={implementation!r} on {type(model).__name__}")
     except BaseException:
         _restore_attention(model, previous)
         raise
     state["attention"] = previous
-    logger.info("attention: %s -> tempo (%d config%s)", previous[0][1], len(configs),
+    logger.info("attention: %s -> %s (%d config%s)", previous[0][1], implementation, len(configs),
                 "" if len(configs) == 1 else "s")
     return True
 
@@ -274,12 +345,18 @@ def _check_attention_possible(model: nn.Module) -> None:
             f"patches GELU and LayerNorm.")
 
 
-def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, attention: bool = True) -> nn.Module:
+def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, attention: bool | str = True,
+                dropout_add_layernorm: bool = False) -> nn.Module:
     """Swap Tempo's memory-saving layers into ``model`` in place; returns ``model``.
 
     ``gelu``: exact and tanh GELU modules -> InplaceGelu of the same form. ``layernorm``:
     nn.LayerNorm -> InplaceLayerNorm (same Parameters). ``attention``: HF models only,
-    ``attn_implementation`` -> "tempo" (not when the config sets ``output_attentions=True``).
+    ``attn_implementation`` -> "tempo" (True or "tempo": the paper's Combined) or
+    "tempo_efficient" ("efficient": tempo.efficient_attention, O(s) kept per row); not when the
+    config sets ``output_attentions=True``. ``dropout_add_layernorm``: BERT-family residual blocks
+    (``BertSelfOutput``/``BertOutput`` and their RoBERTa/XLM-R/CamemBERT/ELECTRA copies) ->
+    ``FusedResidualOutput`` (one DropoutAddLayerNorm, same state_dict keys). The least a BERT layer
+    keeps: ``apply_tempo(model, attention="efficient", dropout_add_layernorm=True)``.
     See the module docstring for what is and is not replaced. Idempotent; all or nothing.
 
     With the HF Trainer, patch the model before building the Trainer (the optimizer is created
@@ -290,8 +367,9 @@ def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, att
     Raises ImportError (before changing anything) when ``attention=True`` on an HF model and the
     installed transformers cannot dispatch its attention to a registered function.
     """
-    switch_attention = attention
-    if attention and _asks_for_attention_weights(model):
+    implementation = _attention_implementation(attention)
+    switch_attention = implementation is not None
+    if switch_attention and _asks_for_attention_weights(model):
         switch_attention = False
         logger.info("attention: %s's config sets output_attentions=True; Tempo attention keeps no attention "
                     "weights to return, so the attention is left as it is", type(model).__name__)
@@ -299,7 +377,8 @@ def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, att
         _check_attention_possible(model)
 
     # 1. Plan: build every replacement; nothing in the model changes if this fails.
-    swaps, skipped = _plan_swaps(model, {"gelu": gelu, "layernorm": layernorm})
+    swaps, skipped = _plan_swaps(model, {"gelu": gelu, "layernorm": layernorm,
+                                         "dropout_add_layernorm": dropout_add_layernorm})
 
     # 2. Apply: swap them all in, then the attention; undo everything if any step fails.
     had_state = _STATE in model.__dict__
@@ -310,7 +389,7 @@ def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, att
             swap.parent._modules[swap.name] = swap.new
             applied.append(swap)
         if switch_attention:
-            _patch_attention(model, state)
+            _patch_attention(model, state, implementation)
     except BaseException:
         for swap in reversed(applied):
             swap.parent._modules[swap.name] = swap.old
@@ -332,7 +411,8 @@ def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, att
         logger.info("apply_tempo: left %d %s module%s alone (computes neither the exact nor the tanh GELU "
                     "that InplaceGelu has)", n, kind, "" if n == 1 else "s")
     for kind, n in sorted(counts.items()):
-        target = {"GELU": "InplaceGelu", "tanh GELU": "InplaceGelu(approximate='tanh')"}.get(kind, "InplaceLayerNorm")
+        target = {"GELU": "InplaceGelu", "tanh GELU": "InplaceGelu(approximate='tanh')",
+                  "dropout-add-LayerNorm": "FusedResidualOutput (DropoutAddLayerNorm)"}.get(kind, "InplaceLayerNorm")
         logger.info("apply_tempo: replaced %d %s -> %s", n, kind, target)
     if not counts and not state.get("attention"):
         logger.info("apply_tempo: nothing to replace in %s", type(model).__name__)
@@ -348,7 +428,11 @@ def revert_tempo(model: nn.Module) -> nn.Module:
             if original is None:
                 continue
             # The replacement's current Parameters go back: they are what the optimizer updates.
-            _move_parameters(child, original)
+            restore = getattr(child, "_tempo_restore", None)
+            if restore is not None:
+                restore(original)
+            else:
+                _move_parameters(child, original)
             original.train(child.training)
             parent._modules[child_name] = original
             counts[type(original).__name__] += 1
@@ -360,7 +444,7 @@ def revert_tempo(model: nn.Module) -> nn.Module:
     previous = state.get("attention")
     if previous:
         _restore_attention(model, previous)
-        logger.info("revert_tempo: attention tempo -> %s", previous[0][1])
+        logger.info("revert_tempo: attention -> %s", previous[0][1])
     return model
 
 
@@ -371,8 +455,9 @@ def tempo_patched(model: nn.Module) -> dict[str, int]:
         if _ORIGINAL in module.__dict__:
             counts[type(module).__name__] += 1
     configs = _configs_of(model)
-    counts["attention"] = int(bool(configs) and all(c._attn_implementation == "tempo" for c in configs))
+    counts["attention"] = int(bool(configs) and all(c._attn_implementation in ("tempo", "tempo_efficient")
+                                                    for c in configs))
     return dict(counts)
 
 
-__all__ = ["apply_tempo", "revert_tempo", "tempo_patched", "gelu_form"]
+__all__ = ["FusedResidualOutput", "apply_tempo", "revert_tempo", "tempo_patched", "gelu_form"]
