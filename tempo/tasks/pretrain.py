@@ -17,6 +17,10 @@ differences worth knowing:
   * Checkpoints are safetensors + a weights_only file, written atomically, last 3 kept.
   * Mixed precision is torch.amp: ``--bf16`` (no loss scaling) or ``--fp16``/``--amp`` (GradScaler).
   * ``--tempo/--no-tempo`` and ``--attention {eager,tempo,sdpa}`` choose the layers.
+  * A step with a NaN/inf loss or gradient norm (fp32/bf16) stops the run with exit status 1 and
+    a line naming the step (``--on_nonfinite skip``: skipped, logged and counted); no checkpoint
+    holding NaN/inf is written. Each shard's values are checked against the config when the
+    loader opens it (DLE's NSP labels are 0/1: a -1 is an error naming the row).
 """
 
 from __future__ import annotations
@@ -36,11 +40,19 @@ from tempo.bert.config import BertConfig, add_gelu_approximate_flag
 from tempo.bert.model import BertForPreTraining
 from tempo.train.checkpointing import install_sigterm_handler, save_checkpoint
 from tempo.train.dllog import JsonLogger
-from tempo.train.flags import add_tempo_flags, add_training_flags, tempo_choice_from_args
+from tempo.train.flags import (
+    add_tempo_flags,
+    add_training_flags,
+    non_negative_number,
+    positive_number,
+    proportion,
+    tempo_choice_from_args,
+)
 from tempo.train.optim import PolyWarmUpScheduler, bert_param_groups, make_optimizer
 from tempo.train.runtime import (
     Runtime,
     UsageError,
+    check_model_fits,
     check_output_dir,
     configure_matmul_precision,
     format_rate,
@@ -72,15 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_predictions_per_seq", type=int, default=80)
     p.add_argument("--train_batch_size", type=int, default=32,
                    help="sequences per GPU per optimizer step (split over accumulation steps)")
-    p.add_argument("--learning_rate", type=float, default=5e-5)
+    p.add_argument("--learning_rate", type=positive_number, default=5e-5)
     p.add_argument("--max_steps", type=int, default=1000, help="optimizer steps of this phase")
-    p.add_argument("--warmup_proportion", type=float, default=0.01)
+    p.add_argument("--warmup_proportion", type=proportion, default=0.01)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fp16", "--amp", dest="fp16", action="store_true", help="fp16 autocast + GradScaler")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in fp32 runs (Ampere+)")
-    p.add_argument("--log_freq", type=float, default=1.0, help="log every N steps")
+    p.add_argument("--log_freq", type=positive_number, default=1.0, help="log every N steps")
     p.add_argument("--checkpoint_activations", action="store_true", help="recompute each layer in backward")
     p.add_argument("--resume_from_checkpoint", action="store_true")
     p.add_argument("--resume_step", type=int, default=-1, help="checkpoint step to resume (-1 = latest)")
@@ -101,11 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     # Beyond DLE.
     p.add_argument("--synthetic_data", action="store_true", help="random batches (benchmarks), no input_dir")
     p.add_argument("--optimizer", choices=["lamb", "adamw", "adamw_fused"], default="lamb")
-    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--weight_decay", type=non_negative_number, default=0.01)
     p.add_argument("--no_cuda", action="store_true", help="train on the CPU even when a GPU is present")
     p.add_argument("--warmup_steps_excluded", type=int, default=None,
                    help="steps left out of the throughput figure (default: 10%% of the run, at least 1)")
-    add_training_flags(p)
+    add_training_flags(p, nonfinite_flag=True)
     add_tempo_flags(p)
     add_gelu_approximate_flag(p)
     return p
@@ -141,6 +153,7 @@ def validate_args(args: argparse.Namespace, config: Any) -> None:
                              f"vocab_size {config.vocab_size} in {args.config_file}")
     if args.init_checkpoint and not os.path.exists(args.init_checkpoint):
         raise UsageError(f"--init_checkpoint {args.init_checkpoint!r} does not exist")
+    check_model_fits(config, args.config_file, torch.device("cpu") if args.no_cuda else None)
 
 
 def make_batches(args: argparse.Namespace, config: Any, rt: Runtime):
@@ -155,7 +168,8 @@ def make_batches(args: argparse.Namespace, config: Any, rt: Runtime):
     return PretrainingBatches(args.input_dir, micro_batch, seed=args.seed, rank=rt.rank,
                               world_size=rt.world_size, num_workers=args.num_workers,
                               max_seq_length=args.max_seq_length,
-                              max_predictions_per_seq=args.max_predictions_per_seq)
+                              max_predictions_per_seq=args.max_predictions_per_seq,
+                              vocab_size=config.vocab_size, type_vocab_size=config.type_vocab_size)
 
 
 def _restore(args, model, optimizer, scheduler, scaler, batches) -> tuple[int, Path | None, bool]:
@@ -240,9 +254,11 @@ def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
     scheduler = new_schedule()
     train_step = TrainStep(model, optimizer, pretraining_loss, precision, rt.device, scheduler=scheduler,
                            max_grad_norm=args.max_grad_norm, train_model=wrap_ddp(model, rt),
-                           distributed=rt.distributed, track=("mlm_loss",))
+                           distributed=rt.distributed, track=("mlm_loss",), on_nonfinite=args.on_nonfinite,
+                           log=lambda message: rt.is_main and print(f"{PROG}: warning: {message}", file=sys.stderr))
     batches = make_batches(args, config, rt)
     step, resumed_from, starts_phase2 = _restore(args, model, optimizer, scheduler, train_step.scaler, batches)
+    train_step.steps = step  # its messages name this phase's step
     if starts_phase2:
         train_step.scheduler = scheduler = new_schedule()  # phase 1's schedule came with the checkpoint
     if resumed_from is None or starts_phase2:

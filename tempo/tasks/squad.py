@@ -19,6 +19,10 @@ differences worth knowing:
     layout, atomic) before prediction starts, so a failure there never loses the training.
   * ``training_sequences_per_second`` leaves out the first 10% of the steps (warm-up of the
     allocator and kernels); ``train_results.json`` has HF's whole-run figures.
+  * A step with a NaN/inf loss or gradient norm (fp32/bf16) stops the run with exit status 1 and
+    a line naming the step (``--on_nonfinite skip``: skipped, logged and counted); a model holding
+    NaN/inf is never saved. v2.0: ``is_impossible`` must agree with the answers (an error naming
+    the question, or ``--skip_inconsistent_questions``).
 """
 
 from __future__ import annotations
@@ -38,12 +42,21 @@ import torch
 from tqdm import tqdm
 
 from tempo.train.dllog import JsonLogger
-from tempo.train.flags import add_tempo_flags, add_training_flags, tempo_choice_from_args
+from tempo.train.flags import (
+    add_tempo_flags,
+    add_training_flags,
+    finite_number,
+    non_negative_number,
+    positive_number,
+    proportion,
+    tempo_choice_from_args,
+)
 from tempo.train.optim import LinearWarmUpScheduler, bert_param_groups, make_optimizer
 from tempo.train.runtime import (
     Runtime,
     UsageError,
     autocast_context,
+    check_model_fits,
     check_output_dir,
     configure_matmul_precision,
     mean_over_ranks,
@@ -82,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_script", type=str, default=None, help="accepted for DLE compatibility; scoring is built in")
     p.add_argument("--train_batch_size", type=int, default=32, help="sequences per GPU per optimizer step")
     p.add_argument("--predict_batch_size", type=int, default=8)
-    p.add_argument("--learning_rate", type=float, default=5e-5)
-    p.add_argument("--num_train_epochs", type=float, default=3.0)
+    p.add_argument("--learning_rate", type=positive_number, default=5e-5)
+    p.add_argument("--num_train_epochs", type=non_negative_number, default=3.0)
     p.add_argument("--max_steps", type=int, default=-1, help="optimizer steps; > 0 overrides --num_train_epochs")
-    p.add_argument("--warmup_proportion", type=float, default=0.1)
+    p.add_argument("--warmup_proportion", type=proportion, default=0.1)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fp16", "--amp", dest="fp16", action="store_true", help="fp16 autocast + GradScaler")
@@ -95,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_answer_length", type=int, default=30)
     p.add_argument("--do_lower_case", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--version_2_with_negative", action="store_true", help="SQuAD v2.0: questions may have no answer")
-    p.add_argument("--null_score_diff_threshold", type=float, default=0.0)
+    p.add_argument("--null_score_diff_threshold", type=finite_number, default=0.0)
+    p.add_argument("--skip_inconsistent_questions", action="store_true",
+                   help="leave out (and count) questions whose is_impossible disagrees with their answers "
+                        "instead of stopping with an error naming the first")
     p.add_argument("--json-summary", "--json_summary", dest="json_summary", type=str, default=None,
                    help="DLLogger JSON lines file (default: <output_dir>/dllogger.json)")
     p.add_argument("--skip_checkpoint", action="store_true", help="do not save the fine-tuned model")
@@ -107,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", type=int, default=-1, help="set by torch.distributed.launch; torchrun uses env")
     p.add_argument("--no_cuda", action="store_true", help="run on the CPU even when a GPU is present")
     p.add_argument("--num_workers", type=int, default=2, help="data-loader worker processes")
-    add_training_flags(p)
+    add_training_flags(p, nonfinite_flag=True)
     add_tempo_flags(p)
     from tempo.bert.config import add_gelu_approximate_flag
 
@@ -185,6 +201,7 @@ def _check_model_fits(args: argparse.Namespace, config: Any, tokenizer: Any) -> 
     if tokenizer.vocab_size > config.vocab_size:
         raise UsageError(f"--vocab_file {args.vocab_file} has {tokenizer.vocab_size} tokens, more than "
                          f"vocab_size {config.vocab_size} in {args.config_file}")
+    check_model_fits(config, args.config_file, torch.device("cpu") if args.no_cuda else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +221,12 @@ def _tensors(features: Any, names: tuple[str, ...]) -> torch.utils.data.TensorDa
 def save_finetuned(model: torch.nn.Module, config: Any, vocab_file: str, output_dir: str) -> Path:
     """HF layout in output_dir, so that it works as --init_checkpoint (and in transformers)."""
     from tempo.bert.hf_interop import save_hf_checkpoint
+    from tempo.train.checkpointing import NonFiniteCheckpointError, nonfinite_tensors
 
+    bad = nonfinite_tensors(model)
+    if bad:  # e.g. NaN initial weights that every (skipped) step left as they were
+        raise NonFiniteCheckpointError(f"refusing to save the fine-tuned model to {output_dir}: "
+                                       f"{bad[0]} holds NaN/inf")
     out = save_hf_checkpoint(model, output_dir, config)
     target = out / "vocab.txt"
     if not (target.exists() and os.path.samefile(vocab_file, target)):
@@ -237,7 +259,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
                                       base_lr=args.learning_rate)
     train_step = TrainStep(model, optimizer, squad_loss, precision, rt.device, scheduler=scheduler,
                            max_grad_norm=args.max_grad_norm, train_model=wrap_ddp(model, rt),
-                           distributed=rt.distributed, measure_activations=False)
+                           distributed=rt.distributed, measure_activations=False, on_nonfinite=args.on_nonfinite,
+                           log=lambda message: rt.is_main and print(f"{PROG}: warning: {message}", file=sys.stderr))
     seed_everything(args.seed + 1000 * rt.rank)  # dropout streams differ per rank
 
     if rt.is_main:
@@ -381,8 +404,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     precision = precision_from_flags(args.fp16, args.bf16, args.tf32)
     options = tempo_choice_from_args(args)
     # Read both files first: a malformed predict file must fail before hours of training.
-    train_data = read_squad(args.train_file, args.version_2_with_negative, for_training=True) if args.do_train else None
-    predict_data = read_squad(args.predict_file, args.version_2_with_negative) if args.do_predict else None
+    skip = args.skip_inconsistent_questions
+    train_data = (read_squad(args.train_file, args.version_2_with_negative, for_training=True, skip_inconsistent=skip)
+                  if args.do_train else None)
+    predict_data = (read_squad(args.predict_file, args.version_2_with_negative, skip_inconsistent=skip)
+                    if args.do_predict else None)
 
     rt = setup_runtime(args.local_rank, force_cpu=args.no_cuda)
     try:
