@@ -371,3 +371,16 @@ def test_load_report_lines_and_decoder_only_tie(tmp_path):
     assert lines[0].startswith(f"loaded {len(report.loaded)} tensors from {path}")
     assert lines[1] == "missing keys (left as initialised) none"
     assert lines[2] == "unused keys (in the file, not in the model) 1: extra.weight"
+
+
+def test_integer_tensor_for_a_float_weight_is_refused(tmp_path):
+    """An int tensor in a safetensors checkpoint is a wrong file: refused naming the key, not cast."""
+    model = BertForPreTraining(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=32, max_position_embeddings=16))
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "cls.predictions.decoder.weight"}
+    key = "bert.encoder.layer.0.attention.self.query.weight"
+    state[key] = state[key].to(torch.int32)
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError, match=rf"'{key}' has dtype torch.int32"):
+        load_pretrained(model, str(path))

@@ -51,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tempo.bench.common import OOM_EXIT, BenchError, SimulatedOOM
+    from tempo.train.runtime import NonFiniteError
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for the records
     where = f"{PROG} {args.subcommand}"
     try:
         return int(args._module.main(args) or 0)
-    except BenchError as exc:
+    except (BenchError, NonFiniteError) as exc:  # a NaN step stops a benchmark as it stops the trainers
         print(f"{where}: error: {exc}", file=sys.stderr)
         return 1
     except SimulatedOOM as exc:

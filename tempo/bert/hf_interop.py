@@ -166,6 +166,10 @@ def load_state_dict_into(model: nn.Module, state: Mapping[str, Tensor], source: 
         if key not in ours:
             report.unexpected_keys.append(key)
             continue
+        if tensor.is_floating_point() != ours[key].is_floating_point() or tensor.is_complex():
+            # An integer tensor cast into a float weight (or back) is a wrong file, not a format.
+            raise CheckpointError(f"{source}: tensor '{key}' has dtype {tensor.dtype}, the model's is "
+                                  f"{ours[key].dtype}")
         tensor, padded = _fit_vocab_rows(key, tensor, ours[key], source)
         if padded:
             report.padded_keys.append(key)

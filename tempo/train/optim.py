@@ -329,13 +329,16 @@ class Lamb(Optimizer):
             torch._foreach_add_(update, work_params, alpha=weight_decay)
 
         if use_trust_ratio:
-            param_norms = torch.stack(torch._foreach_norm(work_params))
-            update_norms = torch.stack(torch._foreach_norm(update))
+            # Norms in fp64: an fp32 norm overflows above ~1.8e19, and on a skipped step lr = 0
+            # times an inf/NaN ratio would still write NaN into the weights.
+            param_norms = torch.stack(torch._foreach_norm(work_params, 2, dtype=torch.float64))
+            update_norms = torch.stack(torch._foreach_norm(update, 2, dtype=torch.float64))
             both_nonzero = (param_norms != 0) & (update_norms != 0)
             ratios = torch.where(
                 both_nonzero, param_norms / torch.where(both_nonzero, update_norms, 1.0), 1.0
-            )
-            torch._foreach_mul_(update, list((ratios * lr).unbind(0)))
+            ).to(lr.dtype)
+            step_sizes = torch.where(taken, ratios * lr, torch.zeros_like(ratios))
+            torch._foreach_mul_(update, list(step_sizes.unbind(0)))
         else:
             torch._foreach_mul_(update, lr)
         torch._foreach_sub_(work_params, update)
