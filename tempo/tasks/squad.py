@@ -58,6 +58,7 @@ from tempo.train.runtime import (
     autocast_context,
     check_model_fits,
     check_output_dir,
+    format_rate,
     configure_matmul_precision,
     mean_over_ranks,
     peak_memory_bytes,
@@ -466,7 +467,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             os.path.join(args.output_dir, "train_results.json"))
                 logger.summary({**train_summary, **peak_memory_bytes(rt.device)})
                 print(f"{PROG}: trained {train_summary['train_steps']} steps in {train_summary['e2e_train_time']:.1f} s, "
-                      f"{train_summary['training_sequences_per_second']:.1f} seq/s, final loss {train_summary['final_loss']:.4f}")
+                      f"{format_rate(train_summary['training_sequences_per_second'])}, "
+                      f"final loss {train_summary['final_loss']:.4f}")
 
         if predict_features is not None:
             start_logits, end_logits, timing = predict_logits(args, model, predict_features, rt, precision)
