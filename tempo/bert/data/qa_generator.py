@@ -65,20 +65,22 @@ class _Names:
                 self.used.add(name)
                 return name
 
+    # Short names (one or two syllables a word) keep paragraphs near 55 WordPiece tokens: invented
+    # spellings split into several pieces each, and sequence length is what CPU fine-tuning pays for.
     def person(self) -> str:
-        return self._draw(lambda: f"{_word(self.rng, self.rng.choice((1, 2)))} {_word(self.rng, 2)}")
+        return self._draw(lambda: f"{_word(self.rng, 1)} {_word(self.rng, self.rng.choice((1, 2)))}")
 
     def city(self) -> str:
-        return self._draw(lambda: _word(self.rng, self.rng.choice((1, 2))) + self.rng.choice(_CITY_ENDINGS))
+        return self._draw(lambda: _word(self.rng, 1) + self.rng.choice(_CITY_ENDINGS))
 
     def river(self) -> str:
-        return self._draw(lambda: _word(self.rng, 2))
+        return self._draw(lambda: _word(self.rng, self.rng.choice((1, 2))))
 
     def company(self) -> str:
-        return self._draw(lambda: f"{_word(self.rng, 2)} {self.rng.choice(_COMPANY_KINDS)}")
+        return self._draw(lambda: f"{_word(self.rng, self.rng.choice((1, 2)))} {self.rng.choice(_COMPANY_KINDS)}")
 
     def invention(self) -> str:
-        return self._draw(lambda: f"{_word(self.rng, 2).lower()} {self.rng.choice(_INVENTION_KINDS)}")
+        return self._draw(lambda: f"{_word(self.rng, 1).lower()} {self.rng.choice(_INVENTION_KINDS)}")
 
 
 class _Paragraph:
@@ -104,8 +106,9 @@ class _Paragraph:
 def _person_facts(par: _Paragraph, names: _Names, rng: random.Random, person: str, with_work: bool) -> str:
     city, year = names.city(), str(rng.randint(1700, 1990))
     profession = rng.choice(_PROFESSIONS)
-    v = {"p": person, "c": city, "y": year, "job": profession}
-    template = rng.choice(["{p} was born in {c} in {y}.", "{p}, a {job}, was born in {c} in {y}.",
+    v = {"p": person, "c": city, "y": year, "job": profession,
+         "a": "an" if profession[0] in "aeiou" else "a"}
+    template = rng.choice(["{p} was born in {c} in {y}.", "{p}, {a} {job}, was born in {c} in {y}.",
                            "In {y}, the {job} {p} was born in {c}."])
     par.add(template, v, {"c": [f"Where was {person} born?", f"In which city was {person} born?"],
                           "y": [f"In what year was {person} born?", f"When was {person} born?"]})
