@@ -65,7 +65,7 @@ class _Names:
                 self.used.add(name)
                 return name
 
-    # Short names (one or two syllables a word) keep paragraphs near 55 WordPiece tokens: invented
+    # Short names (one or two syllables a word) keep paragraphs near 60 WordPiece tokens (~70 with longer names): invented
     # spellings split into several pieces each, and sequence length is what CPU fine-tuning pays for.
     def person(self) -> str:
         return self._draw(lambda: f"{_word(self.rng, 1)} {_word(self.rng, self.rng.choice((1, 2)))}")
