@@ -274,11 +274,16 @@ def run_train_bench(cfg: TrainBenchConfig, on_step: Callable[[int], None] | None
     from tempo.train.runtime import setup_runtime, teardown_runtime
 
     cfg.validate()
-    if cfg.device not in (None, "cpu", "cuda"):
-        raise BenchError("--device must be cpu or cuda")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise BenchError("--device cuda: no CUDA GPU visible")
-    rt = setup_runtime(force_cpu=cfg.device == "cpu")
+    try:
+        wanted = torch.device(cfg.device) if cfg.device is not None else None
+    except RuntimeError:
+        raise BenchError(f"--device {cfg.device!r}: not a device; use cpu, cuda or cuda:N") from None
+    if wanted is not None and wanted.type not in ("cpu", "cuda"):
+        raise BenchError(f"--device {cfg.device!r}: must be cpu, cuda or cuda:N")
+    if wanted is not None and wanted.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError(f"--device {cfg.device}: no CUDA GPU visible")
+    rt = setup_runtime(local_rank_flag=wanted.index if wanted is not None and wanted.index is not None else -1,
+                       force_cpu=wanted is not None and wanted.type == "cpu")
     try:
         return _run(cfg, rt, on_step)
     finally:
