@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tempo.bert import convert
+from tempo.train import convert
 from tempo.bert.config import BertConfig
 from tempo.bert.hf_interop import CheckpointError, load_pretrained
 from tempo.bert.model import BertForPreTraining
@@ -232,8 +232,8 @@ def run_cli(*args):
 
 
 def run_process(*args):
-    """``python -m tempo.bert.convert`` in a fresh process: (exit status, stdout, stderr)."""
-    result = subprocess.run([sys.executable, "-m", "tempo.bert.convert", *map(str, args)], capture_output=True,
+    """``python -m tempo.train.convert`` in a fresh process: (exit status, stdout, stderr)."""
+    result = subprocess.run([sys.executable, "-m", "tempo.train.convert", *map(str, args)], capture_output=True,
                             text=True, cwd=REPO, timeout=300)
     return result.returncode, result.stdout, result.stderr
 
@@ -398,7 +398,7 @@ def test_console_script_is_declared():
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["tempo-convert"] == "tempo.bert.convert:main"
+    assert scripts["tempo-convert"] == "tempo.train.convert:main"
 
 
 # ---------------------------------------------------------------------------------------------
