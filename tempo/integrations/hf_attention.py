@@ -180,6 +180,67 @@ def _generic_eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                       attention_mask: Optional[Tensor], scaling: Optional[float], dropout: float,
+                       head_mask: Optional[Tensor], kwargs: dict[str, Any]) -> tuple[Tensor, Optional[Tensor]]:
+    """What both Tempo attentions share around their core: the eager fallback when a call asks for
+    attention weights, grouped-query heads, the default scaling, the mask cut to the key length,
+    causality and a per-head head_mask. ``core(query, key, value, mask, scaling, dropout, is_causal,
+    training)`` returns [batch, heads, q_len, head_dim]."""
+    if scaling is None:
+        scaling = _default_scaling(module, query.shape[-1])
+    if attention_weights_requested(kwargs):
+        if head_mask is not None:
+            kwargs["head_mask"] = head_mask
+        return _eager_fallback(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                       dropout=dropout, **kwargs)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4:
+        mask = mask[:, :, :, : key.shape[-2]]
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", False)
+    out = core(query, key, value, mask, scaling, float(dropout), bool(is_causal), module.training)
+    if head_mask is not None:
+        # Eager multiplies the probabilities by a per-(batch, head) factor; on the output it is the same.
+        if head_mask.dim() < 2 or head_mask.shape[-1] != 1 or head_mask.shape[-2] != 1:
+            raise ValueError(f"tempo attention: head_mask of shape {tuple(head_mask.shape)} is not "
+                             "per head; only [.., heads, 1, 1] masks are supported")
+        out = out * head_mask
+    return out.transpose(1, 2), None
+
+
+def _combined_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scaling: float,
+                   dropout: float, is_causal: bool, training: bool) -> Tensor:
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if mask is not None:
+        if mask.dtype == torch.bool:  # True = attend, as sdpa masks
+            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill(
+                ~mask, torch.finfo(scores.dtype).min)
+        scores = scores + mask
+    q_len, k_len = scores.shape[-2], scores.shape[-1]
+    if is_causal and q_len > 1:
+        # Usually already in the mask; setting it again is a no-op there (score + min rounds to
+        # min), and it covers versions whose eager attention applied causality itself.
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).triu(k_len - q_len + 1)
+        scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+    return combined_softmax_dropout_matmul(scores, value, dim=-1, p=dropout, training=training)
+
+
+def _efficient_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scaling: float,
+                    dropout: float, is_causal: bool, training: bool) -> Tensor:
+    from tempo.ops.attention import efficient_attention
+
+    # With a mask, causality is in it (as for sdpa); without one, the flag applies it.
+    causal = is_causal and mask is None and query.shape[-2] > 1
+    return efficient_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                               scale=scaling, training=training)
+
+
 def tempo_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                             attention_mask: Optional[Tensor], scaling: Optional[float] = None,
                             dropout: float = 0.0, head_mask: Optional[Tensor] = None,
@@ -191,48 +252,9 @@ def tempo_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
     them runs the model's eager attention and returns (output, weights) instead (see the module
     docstring).
     """
-    if attention_weights_requested(kwargs):
-        if scaling is None:
-            scaling = _default_scaling(module, query.shape[-1])
-        if head_mask is not None:
-            kwargs["head_mask"] = head_mask
-        return _eager_fallback(module)(module, query, key, value, attention_mask, scaling=scaling,
-                                       dropout=dropout, **kwargs)
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
-        groups = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    if scaling is None:
-        scaling = _default_scaling(module, query.shape[-1])
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-
-    if attention_mask is not None:
-        mask = attention_mask
-        if mask.dim() == 4:
-            mask = mask[:, :, :, : key.shape[-2]]
-        if mask.dtype == torch.bool:  # True = attend, as sdpa masks
-            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill(
-                ~mask, torch.finfo(scores.dtype).min)
-        scores = scores + mask
-
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", False)
-    q_len, k_len = scores.shape[-2], scores.shape[-1]
-    if is_causal and q_len > 1:
-        # Usually already in the mask; setting it again is a no-op there (score + min rounds to
-        # min), and it covers versions whose eager attention applied causality itself.
-        future = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).triu(k_len - q_len + 1)
-        scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
-
-    out = combined_softmax_dropout_matmul(scores, value, dim=-1, p=float(dropout), training=module.training)
-    if head_mask is not None:
-        # Eager multiplies the probabilities by a per-(batch, head) factor; on the output it is the same.
-        if head_mask.dim() < 2 or head_mask.shape[-1] != 1 or head_mask.shape[-2] != 1:
-            raise ValueError(f"tempo attention: head_mask of shape {tuple(head_mask.shape)} is not "
-                             "per head; only [.., heads, 1, 1] masks are supported")
-        out = out * head_mask
-    return out.transpose(1, 2).contiguous(), None
+    out, weights = _attention_forward(_combined_core, module, query, key, value, attention_mask, scaling, dropout,
+                                      head_mask, kwargs)
+    return (out, weights) if weights is not None else (out.contiguous(), None)
 
 
 def tempo_efficient_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -243,37 +265,8 @@ def tempo_efficient_attention_forward(module: nn.Module, query: Tensor, key: Ten
     log-sum-exp per row and a seed); the AttentionInterface signature. Returns
     ([batch, q_len, heads, head_dim], None) without a copy: the output is stored in that layout.
     """
-    from tempo.ops.attention import efficient_attention
-
-    if attention_weights_requested(kwargs):
-        if scaling is None:
-            scaling = _default_scaling(module, query.shape[-1])
-        if head_mask is not None:
-            kwargs["head_mask"] = head_mask
-        return _eager_fallback(module)(module, query, key, value, attention_mask, scaling=scaling,
-                                       dropout=dropout, **kwargs)
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
-        groups = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    if scaling is None:
-        scaling = _default_scaling(module, query.shape[-1])
-    mask = attention_mask
-    if mask is not None and mask.dim() == 4:
-        mask = mask[:, :, :, : key.shape[-2]]
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", False)
-    # With a mask, causality is in it (as for sdpa); without one, the flag applies it.
-    causal = bool(is_causal) and mask is None and query.shape[-2] > 1
-    out = efficient_attention(query, key, value, attn_mask=mask, dropout_p=float(dropout), is_causal=causal,
-                              scale=scaling, training=module.training)
-    if head_mask is not None:
-        if head_mask.dim() < 2 or head_mask.shape[-1] != 1 or head_mask.shape[-2] != 1:
-            raise ValueError(f"tempo attention: head_mask of shape {tuple(head_mask.shape)} is not "
-                             "per head; only [.., heads, 1, 1] masks are supported")
-        out = out * head_mask
-    return out.transpose(1, 2), None
+    return _attention_forward(_efficient_core, module, query, key, value, attention_mask, scaling, dropout,
+                              head_mask, kwargs)
 
 
 __all__ = [
