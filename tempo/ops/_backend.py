@@ -149,3 +149,39 @@ def autocast_dtype_for(t: torch.Tensor) -> torch.dtype | None:
     if not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
+
+
+def needs_backward(*tensors: Optional[torch.Tensor]) -> bool:
+    """True when an output computed from ``tensors`` can reach a backward pass: grad mode is on
+    and one of them requires grad. When it is False a Tempo layer has nothing to keep, and runs
+    the fastest stock computation instead (eval, ``torch.no_grad()``, ``torch.inference_mode()``).
+    Traceable: torch.compile guards on grad mode and ``requires_grad``."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def in_launch_guard() -> bool:
+    """True inside ``launch_on``: tests use it to catch a Triton launch that bypasses the guard."""
+    return getattr(_local, "launch_depth", 0) > 0
+
+
+@contextlib.contextmanager
+def launch_on(t: torch.Tensor) -> Iterator[None]:
+    """Every Triton launch runs inside this block, on the device of its tensor ``t``.
+
+    Triton launches on ``torch.cuda.current_device()`` and that device's current stream. A tensor
+    on another device (``model.to("cuda:1")``, ``device_map="auto"``) would otherwise be handed to
+    a kernel running on the wrong GPU. Inside the block the current device is ``t``'s, so the
+    stream is ``t``'s device's current stream (whatever ``torch.cuda.stream(...)`` set there).
+    On the CPU (Triton's interpreter) it only marks the launch as guarded.
+    """
+    _local.launch_depth = getattr(_local, "launch_depth", 0) + 1
+    try:
+        if t.is_cuda:
+            with torch.cuda.device(t.device):
+                yield
+        else:
+            yield
+    finally:
+        _local.launch_depth -= 1
