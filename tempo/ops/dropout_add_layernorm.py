@@ -8,8 +8,10 @@ rstd. This op keeps only its output y, which the next layer (a Linear) keeps any
 storage is shared, one fp32 rstd per row and a 0-d int64 seed (plus the γ/β parameters):
 
   * d(sum) comes from (y, rstd, γ, β) exactly as InplaceLayerNorm's backward does it, with the
-    same γ-near-zero policy (``tempo.ops.layernorm``: x̂ = (y − β)/γ with γ clamped away from 0,
-    x̂ clamped to ±√(N−1); the InplaceLayerNorm docstring gives the error bounds);
+    same rule (``tempo.ops.layernorm``'s docstring): x̂_j = (y_j − β_j)/γ_j where that recovery is
+    well conditioned (|γ_j| >= |β_j| + λ_D, error (u_D + 3u_c)·(|x̂_j| + 1)), and x̂_j kept by the
+    forward ([rows, K] in fp32 plus K indices) for the other columns; no clamp. Non-finite γ or β
+    raise in the forward naming the layer;
   * d(residual) = d(sum);  d(x) = d(sum) · keep / (1 − p), the keep mask regenerated from the seed.
 
 Semantics
@@ -28,9 +30,12 @@ Semantics
   * Rows longer than ``MAX_TRITON_N`` elements do not fit one Triton block: they run on the
     reference path (logged once), which keeps exactly the same tensors.
   * The reference path (CPU; CUDA fallback) regenerates the mask in backward and runs aten's
-    fused LayerNorm backward on the recovered x̂ when no γ_j needed clamping (the explicit
-    InplaceLayerNorm terms otherwise; equal up to rounding): on one CPU core its forward+backward
-    costs about what nn.Dropout + add + nn.LayerNorm cost.
+    fused LayerNorm backward on the recovered x̂: on one CPU core its forward+backward costs about
+    what nn.Dropout + add + nn.LayerNorm cost.
+  * The regenerated mask is bit-identical to the forward's (a pure function of the seed and the
+    element index on each path): nothing about dropout is approximated.
+  * No backward (grad mode off, or no input/parameter requiring grad): the stock computation,
+    ``F.layer_norm(residual + F.dropout(x, p, training))``, keeping nothing.
   * Dtypes: the sum and the statistics are computed in fp32 (fp64 when an input is fp64, reference
     path only). The output dtype is the autocast dtype when autocast is enabled on x's device and
     both inputs are fp32/fp16/bf16 (so the next autocast Linear keeps this very storage), else
@@ -52,19 +57,33 @@ from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from tempo.ops._backend import (
     TRITON_DTYPES,
     autocast_dtype_for,
     check_float_tensor,
     check_probability,
+    launch_on,
+    needs_backward,
     resolve_backend,
 )
-from tempo.ops.layernorm import LayerNormParameters, _as_shape, _safe_inverse_gamma, xhat_bound
+from tempo.ops.layernorm import (
+    LayerNormParameters,
+    _as_shape,
+    _kept_args,
+    kept_fake,
+    normalize_rows_backward_reference,
+    normalize_rows_reference,
+    plan_kept_columns,
+    recovery_inverse,
+)
 
 try:  # CPU-only installs without triton still import this module (reference path only).
     import triton
     import triton.language as tl
+
+    from tempo.ops.layernorm import _recover  # the one recovery of x̂, shared with InplaceLayerNorm
 except Exception:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -90,8 +109,8 @@ if triton is not None:
 
     @triton.jit
     def _dal_fwd_kernel(
-        X, R, Y, W, B, RSTD, SEED, N, eps, p, scale,
-        HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        X, R, Y, W, B, RSTD, SLOTS, KEPT, K, SEED, N, eps, p, scale,
+        HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEPT: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         # One program per row; the sum and its statistics in fp32 whatever the input dtypes.
@@ -110,6 +129,10 @@ if triton is not None:
         var = tl.sum(centered * centered, axis=0) / N
         rstd = tl.math.rsqrt(var + eps)
         y = centered * rstd
+        if HAS_KEPT:
+            # x̂ of the columns whose recovery from y would be ill-conditioned, in fp32.
+            slot = tl.load(SLOTS + cols, mask=in_row, other=-1)
+            tl.store(KEPT + row * K + slot, y, mask=slot >= 0)
         if HAS_WEIGHT:
             y = y * tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -119,9 +142,9 @@ if triton is not None:
 
     @triton.jit
     def _dal_bwd_kernel(
-        DY, Y, W, B, INV_W, RSTD, SEED, DX, DR, DW_PARTIAL, DB_PARTIAL,
-        M, N, rows_per_program, xhat_max, p, scale,
-        HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DY, Y, W, B, INV_W, RSTD, SLOTS, KEPT, K, SEED, DX, DR, DW_PARTIAL, DB_PARTIAL,
+        M, N, rows_per_program, p, scale,
+        HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEPT: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         # Each program walks a contiguous run of rows, writes their d(residual) and d(x), and
@@ -132,9 +155,6 @@ if triton is not None:
         seed = tl.load(SEED)
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
-            inv_w = tl.load(INV_W + cols, mask=in_row, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            b = tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         first_row = pid.to(tl.int64) * rows_per_program
@@ -147,17 +167,12 @@ if triton is not None:
             dy = tl.load(DY + start + cols, mask=live, other=0.0).to(tl.float32)
             y = tl.load(Y + start + cols, mask=live, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + tl.minimum(row, M - 1))  # clamped index, not a scalar mask
-            # γ·x̂ = y − β exactly; x̂ itself needs the division by (clamped) γ.
-            scaled_xhat = y
-            if HAS_BIAS:
-                scaled_xhat = tl.where(live, y - b, 0.0)
+            xhat, scaled_xhat = _recover(y, live, cols, row, W, B, INV_W, SLOTS, KEPT, K,
+                                         HAS_WEIGHT, HAS_BIAS, HAS_KEPT)
             if HAS_WEIGHT:
-                xhat = scaled_xhat * inv_w
                 dy_w = dy * w
             else:
-                xhat = scaled_xhat
                 dy_w = dy
-            xhat = tl.minimum(tl.maximum(xhat, -xhat_max), xhat_max)
             mean_dy_w = tl.sum(dy_w, axis=0) / N
             mean_dy_scaled = tl.sum(dy * scaled_xhat, axis=0) / N
             dsum = rstd * (dy_w - mean_dy_w - xhat * mean_dy_scaled)
@@ -195,19 +210,23 @@ def _dropout_scale(p: float) -> float:
 
 
 def _fwd_triton(x: Tensor, residual: Tensor, n: int, weight: Optional[Tensor], bias: Optional[Tensor],
-                seed: Tensor, eps: float, p: float, dropout: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                seed: Tensor, eps: float, p: float, dropout: bool, out_dtype: torch.dtype,
+                kept_cols: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows = x.numel() // n
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # x's shape: a fresh tensor, not a view
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    kept_xhat = torch.empty((rows, kept_cols.numel()), dtype=torch.float32, device=x.device)
     block_n = triton.next_power_of_2(n)
     dummy = rstd  # stands in for absent weight/bias pointers; never read (constexpr flags)
-    _dal_fwd_kernel[(rows,)](
-        x, residual, y, weight if weight is not None else dummy, bias if bias is not None else dummy,
-        rstd, seed, n, eps, p, _dropout_scale(p),
-        HAS_DROPOUT=dropout, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        num_warps=_num_warps(block_n),
-    )
-    return y, rstd
+    slots, kept_arg, k = _kept_args(kept_cols, kept_xhat, n, dummy)
+    with launch_on(x):
+        _dal_fwd_kernel[(rows,)](
+            x, residual, y, weight if weight is not None else dummy, bias if bias is not None else dummy,
+            rstd, slots, kept_arg, k, seed, n, eps, p, _dropout_scale(p),
+            HAS_DROPOUT=dropout, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            HAS_KEPT=kept_cols.numel() > 0, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        )
+    return y, rstd, kept_xhat
 
 
 def _backward_programs(rows: int, device: torch.device) -> int:
@@ -217,9 +236,9 @@ def _backward_programs(rows: int, device: torch.device) -> int:
     return max(1, min(rows, 4))  # the interpreter runs programs one after another
 
 
-def _bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, n: int, weight: Optional[Tensor],
-                bias: Optional[Tensor], seed: Tensor, p: float, dropout: bool, x_dtype: torch.dtype,
-                residual_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept_xhat: Tensor, n: int,
+                weight: Optional[Tensor], bias: Optional[Tensor], seed: Tensor, p: float, dropout: bool,
+                x_dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rows = rstd.numel()
     dx = torch.empty(y.shape, dtype=x_dtype, device=y.device)
     dr = torch.empty(y.shape, dtype=residual_dtype, device=y.device)
@@ -229,17 +248,19 @@ def _bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, n: int, weight: Optiona
     programs = triton.cdiv(rows, rows_per_program)
     dw_partial = torch.empty((programs, n), dtype=torch.float32, device=y.device) if weight is not None else None
     db_partial = torch.empty((programs, n), dtype=torch.float32, device=y.device) if bias is not None else None
-    inv_w = _safe_inverse_gamma(weight.float()) if weight is not None else None
     dummy = rstd
-    _dal_bwd_kernel[(programs,)](
-        grad_y, y,
-        weight if weight is not None else dummy, bias if bias is not None else dummy,
-        inv_w if inv_w is not None else dummy, rstd, seed, dx, dr,
-        dw_partial if dw_partial is not None else dummy, db_partial if db_partial is not None else dummy,
-        rows, n, rows_per_program, xhat_bound(n), p, _dropout_scale(p),
-        HAS_DROPOUT=dropout, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        num_warps=_num_warps(block_n),
-    )
+    inv_w = recovery_inverse(weight.reshape(n), kept_cols) if weight is not None else dummy
+    slots, kept_arg, k = _kept_args(kept_cols, kept_xhat, n, dummy)
+    with launch_on(y):
+        _dal_bwd_kernel[(programs,)](
+            grad_y, y,
+            weight if weight is not None else dummy, bias if bias is not None else dummy,
+            inv_w, rstd, slots, kept_arg, k, seed, dx, dr,
+            dw_partial if dw_partial is not None else dummy, db_partial if db_partial is not None else dummy,
+            rows, n, rows_per_program, p, _dropout_scale(p),
+            HAS_DROPOUT=dropout, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            HAS_KEPT=kept_cols.numel() > 0, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        )
     dw = dw_partial.sum(0).view(weight.shape).to(weight.dtype) if weight is not None else _no_param_grad(y)
     db = db_partial.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else _no_param_grad(y)
     return dx, dr, dw, db
@@ -248,7 +269,8 @@ def _bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, n: int, weight: Optiona
 def _triton_keep_mask(seed: Tensor, numel: int, p: float, device: torch.device) -> Tensor:
     out = torch.empty((numel,), dtype=torch.uint8, device=device)
     if numel:
-        _keep_mask_kernel[(triton.cdiv(numel, _KEEP_MASK_BLOCK),)](out, seed, numel, p, BLOCK=_KEEP_MASK_BLOCK)
+        with launch_on(out):
+            _keep_mask_kernel[(triton.cdiv(numel, _KEEP_MASK_BLOCK),)](out, seed, numel, p, BLOCK=_KEEP_MASK_BLOCK)
     return out.view(torch.bool)
 
 
@@ -260,6 +282,10 @@ def _triton_keep_mask(seed: Tensor, numel: int, p: float, device: torch.device) 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     # fp32 statistics, except with an fp64 input (reference path only): full precision.
     return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _flat(param: Optional[Tensor], n: int) -> Optional[Tensor]:
+    return param.reshape(n) if param is not None else None
 
 
 def _no_param_grad(like: Tensor) -> Tensor:
@@ -299,9 +325,10 @@ def _reference_keep_float(seed: Tensor, shape: Sequence[int], p: float, device: 
 
 
 def _fwd_reference(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
-                   bias: Optional[Tensor], seed: Tensor, eps: float, p: float, dropout: bool,
-                   out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                   bias: Optional[Tensor], seed: Tensor, eps: float, p: float, dropout: bool, out_dtype: torch.dtype,
+                   kept_cols: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     compute = _compute_dtype(x.dtype, residual.dtype)
+    n = math.prod(normalized_shape)
     xc, rc = x.to(compute), residual.to(compute)
     if dropout:
         keep = _reference_keep_float(seed, x.shape, p, x.device, compute)
@@ -309,79 +336,22 @@ def _fwd_reference(x: Tensor, residual: Tensor, normalized_shape: list[int], wei
         del keep
     else:
         s = rc + xc
-    # aten's fused LayerNorm; its mean is dropped, its rstd is the one the kernels keep.
-    y, _mean, rstd = torch.native_layer_norm(
-        s, normalized_shape,
-        weight.to(compute) if weight is not None else None,
-        bias.to(compute) if bias is not None else None,
-        eps,
-    )
-    return y.to(out_dtype), rstd.reshape(-1)
+    # aten's fused LayerNorm (its mean is dropped, its rstd is the one the kernels keep).
+    return normalize_rows_reference(s, normalized_shape, _flat(weight, n), _flat(bias, n), eps, out_dtype, kept_cols)
 
 
-def _dsum_explicit(g: Tensor, scaled_xhat: Tensor, owned: bool, rstd: Tensor, w: Optional[Tensor],
-                   inv_w: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """InplaceLayerNorm's formula, term by term: exact for every feature whatever γ is.
-
-    g, scaled_xhat = γ·x̂ = y − β: [rows, n] in the compute dtype; ``owned``: scaled_xhat is a
-    temporary of ours (not y itself) and may be overwritten. Returns (d(sum), Σ_rows g·x̂ or None).
-    """
-    n = g.shape[-1]
-    bound = xhat_bound(n)
-    mean_g_scaled = (g * scaled_xhat).mean(dim=-1, keepdim=True)  # mean(g·(y − β)): needs no x̂
-    if w is not None:
-        mean_g_w = torch.mv(g, w).div_(n).unsqueeze(-1)
-        dsum = torch.addcmul(mean_g_w.neg_(), g, w)  # g·γ − mean(g·γ)
-        xhat = scaled_xhat.mul_(inv_w) if owned else scaled_xhat * inv_w
-    else:
-        dsum = g - g.mean(dim=-1, keepdim=True)
-        xhat = scaled_xhat if owned else scaled_xhat.clone()
-    xhat.clamp_(-bound, bound)
-    dsum.addcmul_(xhat, mean_g_scaled, value=-1.0).mul_(rstd.unsqueeze(-1))
-    return dsum, (xhat.mul_(g).sum(0) if w is not None else None)
-
-
-def _dsum_fused(g: Tensor, scaled_xhat: Tensor, owned: bool, rstd: Tensor, w: Optional[Tensor],
-                inv_w: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """The same d(sum) through aten's fused LayerNorm backward, run on the recovered x̂ with
-    mean 0 and rstd 1, then scaled by the true rstd: about 3x faster on the CPU than the explicit
-    terms. Only valid when no γ_j was clamped: then γ_j·x̂_j = y_j − β_j up to rounding, so
-    aten's coefficient mean(g·γ·x̂) is InplaceLayerNorm's mean(g·(y − β))."""
-    rows, n = g.shape
-    bound = xhat_bound(n)
-    if w is not None:
-        xhat = scaled_xhat.mul_(inv_w) if owned else scaled_xhat * inv_w
-    else:
-        xhat = scaled_xhat if owned else scaled_xhat.clone()
-    xhat.clamp_(-bound, bound)
-    unit = g.new_ones((rows, 1))
-    dsum, dw, _ = torch.ops.aten.native_layer_norm_backward(
-        g, xhat, [n], unit.new_zeros((rows, 1)), unit, w, None, [True, w is not None, False])
-    return dsum.mul_(rstd.unsqueeze(-1)), dw
-
-
-def _bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, n: int, weight: Optional[Tensor],
-                   bias: Optional[Tensor], seed: Tensor, p: float, dropout: bool, x_dtype: torch.dtype,
-                   residual_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    compute = rstd.dtype  # fp32, or fp64 for fp64 inputs
-    g = grad_y.reshape(-1, n).to(compute)
-    # γ·x̂ = y − β exactly. Without β and in y's dtype it is y itself: never overwritten then.
-    scaled_xhat = y.reshape(-1, n).to(compute)
-    if bias is not None:
-        scaled_xhat = scaled_xhat - bias.reshape(n).to(compute)
-    owned = bias is not None or y.dtype != compute
-    w = weight.reshape(n).to(compute) if weight is not None else None
-    inv_w = _safe_inverse_gamma(w) if w is not None else None
-    # The γ-near-zero clamp changed nothing (host sync: fine on this path)? Then the fused path.
-    unclamped = w is None or torch.equal(inv_w, w.reciprocal())
-    db = g.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else _no_param_grad(y)
-    dsum, dw = (_dsum_fused if unclamped else _dsum_explicit)(g, scaled_xhat, owned, rstd, w, inv_w)
-    del g, scaled_xhat
+def _bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept_xhat: Tensor, n: int,
+                   weight: Optional[Tensor], bias: Optional[Tensor], seed: Tensor, p: float, dropout: bool,
+                   x_dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dsum, dw, db = normalize_rows_backward_reference(
+        grad_y.reshape(-1, n), y.reshape(-1, n), rstd, kept_cols, kept_xhat,
+        _flat(weight, n), _flat(bias, n))
     dw = dw.view(weight.shape).to(weight.dtype) if weight is not None else _no_param_grad(y)
+    db = db.view(bias.shape).to(bias.dtype) if bias is not None else _no_param_grad(y)
     dsum = dsum.view(y.shape)
     dr = dsum.to(residual_dtype)
     if dropout:
-        keep = _reference_keep_float(seed, y.shape, p, y.device, compute)
+        keep = _reference_keep_float(seed, y.shape, p, y.device, rstd.dtype)
         dx = keep.mul_(dsum).mul_(_dropout_scale(p)).to(x_dtype)
     else:
         # Outputs of a custom op may not alias each other.
@@ -431,30 +401,38 @@ def _check_op_backend(backend: str, n: int, where: str) -> None:
 @torch.library.custom_op("tempo::dropout_add_layernorm_fwd", mutates_args=())
 def dropout_add_layernorm_fwd(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
                               bias: Optional[Tensor], seed: Tensor, eps: float, p: float, training: bool,
-                              out_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+                              out_dtype: torch.dtype, backend: str,
+                              name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x, residual contiguous, same shape -> (y of x's shape in out_dtype, rstd [rows] fp32 (fp64
-    when an input is fp64)). weight/bias have ``normalized_shape``; seed is a 0-d int64 tensor."""
+    when an input is fp64), kept_cols int64 [K], kept_xhat [rows, K] in rstd's dtype). weight/bias
+    have ``normalized_shape``; seed is a 0-d int64 tensor; ``name`` names the layer in errors."""
     n = math.prod(normalized_shape)
     _check_op_backend(backend, n, "tempo::dropout_add_layernorm_fwd")
     dropout = training and p > 0.0
+    kept_cols = plan_kept_columns(_flat(weight, n), _flat(bias, n), out_dtype, n, x.device, name)
     with torch.autocast(x.device.type, enabled=False):
         if backend == "triton" and x.numel() > 0:
-            return _fwd_triton(x, residual, n, weight, bias, seed, eps, p, dropout, out_dtype)
-        return _fwd_reference(x, residual, normalized_shape, weight, bias, seed, eps, p, dropout, out_dtype)
+            y, rstd, kept_xhat = _fwd_triton(x, residual, n, weight, bias, seed, eps, p, dropout, out_dtype,
+                                             kept_cols)
+        else:
+            y, rstd, kept_xhat = _fwd_reference(x, residual, normalized_shape, weight, bias, seed, eps, p, dropout,
+                                                out_dtype, kept_cols)
+    return y, rstd, kept_cols, kept_xhat
 
 
 @dropout_add_layernorm_fwd.register_fake
-def _(x, residual, normalized_shape, weight, bias, seed, eps, p, training, out_dtype, backend):
+def _(x, residual, normalized_shape, weight, bias, seed, eps, p, training, out_dtype, backend, name):
     rows = _rows(x.shape, normalized_shape)
-    return (x.new_empty(x.shape, dtype=out_dtype),
-            x.new_empty((rows,), dtype=_compute_dtype(x.dtype, residual.dtype)))
+    compute = _compute_dtype(x.dtype, residual.dtype)
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows,), dtype=compute),
+            *kept_fake(rows, x, compute))
 
 
 @torch.library.custom_op("tempo::dropout_add_layernorm_bwd", mutates_args=())
-def dropout_add_layernorm_bwd(grad_y: Tensor, y: Tensor, rstd: Tensor, normalized_shape: list[int],
-                              weight: Optional[Tensor], bias: Optional[Tensor], seed: Tensor, p: float,
-                              training: bool, x_dtype: torch.dtype, residual_dtype: torch.dtype,
-                              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def dropout_add_layernorm_bwd(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept_xhat: Tensor,
+                              normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
+                              seed: Tensor, p: float, training: bool, x_dtype: torch.dtype,
+                              residual_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (dx in x_dtype, dresidual in residual_dtype, dγ, dβ in the parameters' dtypes); an
     absent γ/β gets an empty tensor. ``backend`` must be the one the forward ran on."""
     n = math.prod(normalized_shape)
@@ -462,12 +440,15 @@ def dropout_add_layernorm_bwd(grad_y: Tensor, y: Tensor, rstd: Tensor, normalize
     dropout = training and p > 0.0
     with torch.autocast(y.device.type, enabled=False):
         if backend == "triton" and y.numel() > 0:
-            return _bwd_triton(grad_y, y, rstd, n, weight, bias, seed, p, dropout, x_dtype, residual_dtype)
-        return _bwd_reference(grad_y, y, rstd, n, weight, bias, seed, p, dropout, x_dtype, residual_dtype)
+            return _bwd_triton(grad_y, y, rstd, kept_cols, kept_xhat, n, weight, bias, seed, p, dropout, x_dtype,
+                               residual_dtype)
+        return _bwd_reference(grad_y, y, rstd, kept_cols, kept_xhat, n, weight, bias, seed, p, dropout, x_dtype,
+                              residual_dtype)
 
 
 @dropout_add_layernorm_bwd.register_fake
-def _(grad_y, y, rstd, normalized_shape, weight, bias, seed, p, training, x_dtype, residual_dtype, backend):
+def _(grad_y, y, rstd, kept_cols, kept_xhat, normalized_shape, weight, bias, seed, p, training, x_dtype,
+      residual_dtype, backend):
     def param_grad(param):
         return param.new_empty(param.shape) if param is not None else y.new_empty((0,), dtype=torch.float32)
 
@@ -476,22 +457,23 @@ def _(grad_y, y, rstd, normalized_shape, weight, bias, seed, p, training, x_dtyp
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, normalized_shape, weight, bias, seed, _eps, p, training, _out_dtype, backend = inputs
-    y, rstd = output
+    x, residual, normalized_shape, weight, bias, seed, _eps, p, training, _out_dtype, backend, _name = inputs
+    y, rstd, kept_cols, kept_xhat = output
     # The output, not the inputs: y is the tensor the next layer keeps anyway. No mask: the seed.
-    ctx.save_for_backward(y, rstd, weight, bias, seed)
-    ctx.mark_non_differentiable(rstd)
+    # x̂ only of the columns where y cannot give it back.
+    ctx.save_for_backward(y, rstd, kept_cols, kept_xhat, weight, bias, seed)
+    ctx.mark_non_differentiable(rstd, kept_cols, kept_xhat)
     ctx.normalized_shape, ctx.p, ctx.training, ctx.backend = normalized_shape, p, training, backend
     ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
 
 
-def _backward(ctx, grad_y, _grad_rstd):
-    y, rstd, weight, bias, seed = ctx.saved_tensors
+def _backward(ctx, grad_y, _grad_rstd, _grad_cols, _grad_kept):
+    y, rstd, kept_cols, kept_xhat, weight, bias, seed = ctx.saved_tensors
     dx, dr, dw, db = torch.ops.tempo.dropout_add_layernorm_bwd(
-        grad_y.contiguous(), y, rstd, ctx.normalized_shape, weight, bias, seed, ctx.p, ctx.training,
-        ctx.x_dtype, ctx.residual_dtype, ctx.backend)
+        grad_y.contiguous(), y, rstd, kept_cols, kept_xhat, ctx.normalized_shape, weight, bias, seed, ctx.p,
+        ctx.training, ctx.x_dtype, ctx.residual_dtype, ctx.backend)
     return (dx, dr, None, dw if weight is not None else None, db if bias is not None else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 dropout_add_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -538,12 +520,14 @@ def draw_seed(device: torch.device | str) -> Tensor:
 
 def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeLike,
                           weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5,
-                          p: float = 0.5, training: bool = True, seed: Optional[Tensor] = None) -> Tensor:
+                          p: float = 0.5, training: bool = True, seed: Optional[Tensor] = None,
+                          name: Optional[str] = None) -> Tensor:
     """``layer_norm(residual + dropout(x, p, training), normalized_shape, weight, bias, eps)``.
 
     Keeps for backward only the output, one rstd per row and a seed (see the module docstring
     for dtypes and the mask). ``p``/``training`` default as in ``F.dropout``. ``seed`` (a
     one-element integer tensor) fixes the mask; by default one is drawn from torch's RNG.
+    ``name`` names the layer in errors (non-finite γ/β). Without a backward it runs the stock ops.
     """
     check_float_tensor(x, "x", OP_NAME)
     check_float_tensor(residual, "residual", OP_NAME)
@@ -556,20 +540,31 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
     if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"{OP_NAME}: argument 'normalized_shape' {shape} must match the trailing "
                          f"dimensions of 'x', got x of shape {tuple(x.shape)}")
-    for name, param in (("weight", weight), ("bias", bias)):
+    for arg, param in (("weight", weight), ("bias", bias)):
         if param is not None:
-            check_float_tensor(param, name, OP_NAME)
+            check_float_tensor(param, arg, OP_NAME)
             if tuple(param.shape) != shape:
-                raise ValueError(f"{OP_NAME}: argument '{name}' of shape {tuple(param.shape)} must have "
+                raise ValueError(f"{OP_NAME}: argument '{arg}' of shape {tuple(param.shape)} must have "
                                  f"the normalized_shape {shape}")
             if param.device != x.device:
-                raise ValueError(f"{OP_NAME}: argument '{name}' is on {param.device}, argument 'x' on {x.device}")
+                raise ValueError(f"{OP_NAME}: argument '{arg}' is on {param.device}, argument 'x' on {x.device}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ValueError(f"{OP_NAME}: argument 'eps' must be a non-negative float, got {eps!r}")
     p = check_probability(p, "p", OP_NAME)
     if not isinstance(training, bool):
         raise TypeError(f"{OP_NAME}: argument 'training' must be a bool, got {type(training).__name__}")
     dropout = training and p > 0.0
+    out_dtype = _output_dtype(x, residual)
+    if not needs_backward(x, residual, weight, bias) and (seed is None or not dropout):
+        # Nothing will be kept: the stock ops (aten's fused LayerNorm, fp32 statistics), returned
+        # in the dtype the Tempo path returns so the model behaves the same either way. (A seed
+        # the caller fixed keeps the Tempo path, which is the one that draws that mask.)
+        with torch.autocast(x.device.type, enabled=False):
+            compute = _compute_dtype(x.dtype, residual.dtype)
+            s = residual.to(compute) + F.dropout(x.to(compute), p, training)
+            y = F.layer_norm(s, shape, weight.to(compute) if weight is not None else None,
+                             bias.to(compute) if bias is not None else None, eps)
+        return y.to(out_dtype)
     if seed is None:
         seed = draw_seed(x.device) if dropout else torch.zeros((), dtype=torch.int64, device=x.device)
     else:
@@ -579,12 +574,12 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
         seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
 
     n = math.prod(shape)
-    y, _rstd = dropout_add_layernorm_fwd(
+    y, _rstd, _cols, _kept = dropout_add_layernorm_fwd(
         x.contiguous(), residual.contiguous(), list(shape),
         # Contiguous parameters (the usual case) pass through without a copy.
         weight.contiguous() if weight is not None else None,
         bias.contiguous() if bias is not None else None,
-        seed, float(eps), p, training, _output_dtype(x, residual), _choose_backend(x, residual, n),
+        seed, float(eps), p, training, out_dtype, _choose_backend(x, residual, n), name or OP_NAME,
     )
     return y
 
@@ -595,7 +590,8 @@ class DropoutAddLayerNorm(LayerNormParameters):
     ``forward(x, residual)``. Same ``weight``/``bias`` parameters and state_dict keys as
     ``nn.LayerNorm`` (state dicts load both ways with ``nn.LayerNorm`` and ``InplaceLayerNorm``).
     Dropout is the identity in eval mode or with ``p == 0``. Backward keeps only the output, one
-    fp32 rstd per row and an 8-byte seed; γ near zero is handled as in ``InplaceLayerNorm``.
+    fp32 rstd per row, an 8-byte seed, and x̂ of the (usually no) columns whose γ is too small
+    against β to recover it, exactly as ``InplaceLayerNorm``.
     Double backward is not supported.
     """
 
@@ -610,7 +606,7 @@ class DropoutAddLayerNorm(LayerNormParameters):
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         return dropout_add_layernorm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps,
-                                     self.p, self.training)
+                                     self.p, self.training, name=self.tempo_name or type(self).__name__)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, p={self.p}"

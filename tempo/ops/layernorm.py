@@ -1,17 +1,51 @@
 """In-place LayerNorm: the backward pass reads the output y, never the input x.
 
-LayerNorm's output already holds the normalized input: x̂ = (y − β) / γ. So instead of the
-input (plus mean and rstd) the op keeps only y, which is the tensor it returns and which the
-next layer (a Linear, a dropout, a residual add) keeps anyway, plus one fp32 rstd per row. With
-x̂ recovered, the gradients are
+LayerNorm's output holds the normalized input: x̂ = (y − β) / γ. So instead of the input (plus
+mean and rstd) the op keeps y, which is the tensor it returns and which the next layer (a Linear,
+a dropout, a residual add) keeps anyway, plus one fp32 rstd per row. With x̂ recovered,
 
-    dβ = Σ_rows g        dγ = Σ_rows g·x̂        dx = rstd·(g·γ − mean(g·γ) − x̂·mean(g·(y − β)))
+    dβ = Σ_rows g        dγ = Σ_rows g·x̂        dx = rstd·(g·γ − mean(g·γ) − x̂·mean(g·γ·x̂))
 
-(g·γ·x̂ = g·(y − β) needs no division). Without an affine transform x̂ = y.
+Recovery and its condition (exact by construction). Let D be y's dtype, u_D its unit roundoff
+(fp32 2⁻²⁴, bf16 2⁻⁸, fp16 2⁻¹¹) and λ_D its smallest normal number (fp32 and bf16 2⁻¹²⁶, fp16
+2⁻¹⁴); u_c is the unit roundoff of the compute dtype (fp32; fp64 for fp64 inputs). The stored
+y_j is within u_D·max(|y_j|, λ_D) of γ_j·x̂_j + β_j (relative rounding, or half the subnormal
+spacing), so x̂'_j = (y_j − β_j)·(1/γ_j) computed in the compute dtype satisfies, to first order,
 
-Contents, in order: Triton kernels, their host launchers, the PyTorch reference path, the
-``tempo::layernorm_fwd`` / ``tempo::layernorm_bwd`` custom ops, the functional
-``inplace_layernorm`` and the ``InplaceLayerNorm`` module.
+    |x̂'_j − x̂_j| <= u_D·|x̂_j| + u_D·(|β_j| + λ_D)/|γ_j| + 3·u_c·(|x̂_j| + (|β_j| + λ_D)/|γ_j|).
+
+The first term is the rounding of y itself, which the next layer sees anyway; the second is the
+condition of the recovery, κ_j = (|β_j| + λ_D)/|γ_j|. Where γ_j is small against β_j (or is 0),
+y_j ≈ β_j carries no information about x̂_j and no clamp can make the gradient right. So column j
+is **recovered** only when κ_j <= 1, i.e. |γ_j| >= |β_j| + λ_D, and then
+
+    |x̂'_j − x̂_j| <= (u_D + 3·u_c)·(|x̂_j| + 1)                                          (R)
+
+(fp32 output: 2.4e-7·(|x̂_j| + 1); bf16: 3.9e-3·(|x̂_j| + 1); fp16: 4.9e-4·(|x̂_j| + 1)). Every
+other column is **kept**: the forward stores x̂_j of those K columns for every row in the compute
+dtype ([rows, K]) plus their K int64 indices, and the backward reads them instead of dividing.
+Without γ the rule applies with γ = 1 (a column is kept when |β_j| > 1 − λ_D); without β, with
+β = 0 (kept only when |γ_j| < λ_D, e.g. γ_j = 0). The set is decided at each forward from that
+forward's γ and β (they change while training): one host read of N flags per forward on CUDA (a
+sync; nothing on the CPU), none when the layer runs without a backward (see below). Models with
+|γ| ~ 1 and small β (a fresh BERT: γ = 1, β = 0) keep no column, so the bytes stay at y + rstd;
+all-MiniLM-L6-v2 keeps 14 of its 13 × 384 columns. In the formulas, γ_j·x̂_j is taken as y_j − β_j
+(no division) for recovered columns and as γ_j times the kept x̂_j for kept ones. The error of
+each gradient follows from (R): |δ(dγ_j)| <= Σ_rows |g_rj|·(u_D + 3u_c)(|x̂_rj| + 1), and dx as
+nn.LayerNorm's with x̂ perturbed by (R). There is no clamp anywhere: a value is recovered within
+(R) or kept.
+
+Non-finite γ or β: the forward raises a ValueError naming the layer (``name``) and the column, so
+no NaN gradient is made silently.
+
+No backward, no cost: when the output cannot reach a backward pass (grad mode off, or neither
+the input nor γ/β requires grad: evaluation under ``torch.no_grad()``/``inference_mode()``) the
+op keeps nothing and runs ``torch.nn.functional.layer_norm`` (output cast to the dtype the Tempo
+path would return).
+
+Contents, in order: the recovery rule, Triton kernels, their host launchers, the PyTorch
+reference path, the ``tempo::layernorm_fwd`` / ``tempo::layernorm_bwd`` custom ops, the
+functional ``inplace_layernorm`` and the ``InplaceLayerNorm`` module.
 """
 
 from __future__ import annotations
@@ -22,12 +56,15 @@ from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from tempo.ops._backend import (
     TRITON_DTYPES,
     autocast_dtype_for,
     check_float_tensor,
+    launch_on,
     log_fallback_once,
+    needs_backward,
     resolve_backend,
 )
 
@@ -39,10 +76,6 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None
 
 OP_NAME = "inplace_layernorm"
-# γ_j is clamped away from zero (keeping its sign) before dividing y − β by it:
-# |γ_j| >= τ = max(GAMMA_REL_FLOOR · max_k |γ_k|, GAMMA_ABS_FLOOR).
-GAMMA_REL_FLOOR = 1e-6
-GAMMA_ABS_FLOOR = 1e-12
 # Rows longer than this do not fit one Triton block in the forward; they run on the reference
 # path (logged once), which keeps exactly the same tensors for backward.
 MAX_TRITON_N = 16384
@@ -50,9 +83,61 @@ MAX_TRITON_N = 16384
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def xhat_bound(n: int) -> float:
-    """|x̂_j| <= sqrt(n − 1) for any row of n features (Cauchy–Schwarz, Σ x̂ = 0, Σ x̂² < n)."""
-    return math.sqrt(max(n - 1, 0))
+# ----------------------------------------------------------------------------------------------
+# Which columns are recovered from y and which are kept (the rule of the module docstring)
+# ----------------------------------------------------------------------------------------------
+def unrecoverable_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype,
+                          n: int, device: torch.device) -> Tensor:
+    """Bool [n]: True where x̂_j cannot be recovered from y_j to (R): |γ_j| < |β_j| + λ_D.
+
+    ``weight``/``bias`` flattened to [n] or None (γ = 1, β = 0). Computed on the device, no sync.
+    """
+    tiny = torch.finfo(out_dtype).tiny
+    compute = torch.float64 if any(p is not None and p.dtype == torch.float64 for p in (weight, bias)) \
+        else torch.float32
+    gamma = weight.detach().to(compute).abs() if weight is not None else torch.ones(n, dtype=compute, device=device)
+    beta = bias.detach().to(compute).abs() if bias is not None else torch.zeros(n, dtype=compute, device=device)
+    return gamma < beta + tiny
+
+
+def plan_kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
+                      device: torch.device, where: str) -> Tensor:
+    """int64 [K] on ``device``: the columns whose x̂ the forward keeps (ascending).
+
+    Also checks that γ and β are finite, raising a ValueError that names ``where`` (the layer) and
+    the first bad column. One host read of n flags (a sync on CUDA); nothing to read without γ/β.
+    """
+    if weight is None and bias is None:
+        return torch.empty((0,), dtype=torch.int64, device=device)
+    code = unrecoverable_columns(weight, bias, out_dtype, n, device).to(torch.uint8)
+    for bit, param in ((2, weight), (4, bias)):
+        if param is not None:
+            code |= (~torch.isfinite(param.detach())).to(torch.uint8) * bit
+    code = code.cpu()
+    bad = torch.nonzero(code > 1).flatten()
+    if bad.numel():
+        col = int(bad[0])
+        which = "weight (γ)" if int(code[col]) & 2 else "bias (β)"
+        value = (weight if int(code[col]) & 2 else bias).detach().reshape(-1)[col].item()
+        raise ValueError(f"{where}: {which} holds a non-finite value ({value}) at column {col} "
+                         f"({bad.numel()} bad column(s) of {n}); refusing to normalize with it")
+    return torch.nonzero(code).flatten().to(device)
+
+
+def column_slots(kept_cols: Tensor, n: int) -> Tensor:
+    """int32 [n]: −1 for a recovered column, else its slot in the kept [rows, K] block (kernels)."""
+    slots = torch.full((n,), -1, dtype=torch.int32, device=kept_cols.device)
+    slots[kept_cols] = torch.arange(kept_cols.numel(), dtype=torch.int32, device=kept_cols.device)
+    return slots
+
+
+def recovery_inverse(weight: Tensor, kept_cols: Tensor) -> Tensor:
+    """1/γ in fp32 (fp64 for fp64 γ) for recovered columns, 0 for kept ones (never divides by a
+    γ the rule refused, so no inf or NaN can appear)."""
+    w = weight.detach().to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
+    inv = w.reciprocal()
+    inv[kept_cols] = 0.0
+    return inv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,9 +147,9 @@ if triton is not None:
 
     @triton.jit
     def _layernorm_fwd_kernel(
-        X, Y, W, B, RSTD,
+        X, Y, W, B, RSTD, SLOTS, KEPT, K,
         x_row_stride, y_row_stride, N, eps,
-        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # One program per row; statistics in fp32 whatever the input dtype.
         row = tl.program_id(0).to(tl.int64)
@@ -76,6 +161,10 @@ if triton is not None:
         var = tl.sum(centered * centered, axis=0) / N
         rstd = tl.math.rsqrt(var + eps)
         y = centered * rstd
+        if HAS_KEPT:
+            # x̂ of the columns whose recovery from y would be ill-conditioned, in fp32.
+            slot = tl.load(SLOTS + cols, mask=in_row, other=-1)
+            tl.store(KEPT + row * K + slot, y, mask=slot >= 0)
         if HAS_WEIGHT:
             y = y * tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -84,10 +173,34 @@ if triton is not None:
         tl.store(RSTD + row, rstd)
 
     @triton.jit
+    def _recover(y, live, cols, row, W, B, INV_W, SLOTS, KEPT, K,
+                 HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEPT: tl.constexpr):
+        # -> (x̂, γ·x̂) of one row chunk: γ·x̂ = y − β and x̂ = (y − β)/γ for recovered columns,
+        # the kept x̂ (and γ times it) for the others. Dead columns give 0.
+        scaled_xhat = y
+        if HAS_BIAS:
+            scaled_xhat = tl.where(live, y - tl.load(B + cols, mask=live, other=0.0).to(tl.float32), 0.0)
+        if HAS_WEIGHT:
+            xhat = scaled_xhat * tl.load(INV_W + cols, mask=live, other=0.0)
+        else:
+            xhat = scaled_xhat
+        if HAS_KEPT:
+            slot = tl.load(SLOTS + cols, mask=live, other=-1)
+            is_kept = slot >= 0
+            kept = tl.load(KEPT + row * K + slot, mask=is_kept, other=0.0)
+            xhat = tl.where(is_kept, kept, xhat)
+            if HAS_WEIGHT:
+                scaled_xhat = tl.where(is_kept, kept * tl.load(W + cols, mask=live, other=0.0).to(tl.float32),
+                                       scaled_xhat)
+            else:
+                scaled_xhat = tl.where(is_kept, kept, scaled_xhat)
+        return xhat, scaled_xhat
+
+    @triton.jit
     def _layernorm_bwd_kernel(
-        DY, Y, W, B, INV_W, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
-        dy_row_stride, y_row_stride, dx_row_stride, M, N, rows_per_program, xhat_max,
-        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+        DY, Y, W, B, INV_W, RSTD, SLOTS, KEPT, K, DX, DW_PARTIAL, DB_PARTIAL,
+        dy_row_stride, y_row_stride, dx_row_stride, M, N, rows_per_program,
+        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # Rows of up to BWD_BLOCK_MAX features: a row fits in registers. Each program walks a
         # contiguous run of rows, writes their dx, and accumulates its own partial dγ/dβ in fp32
@@ -97,9 +210,6 @@ if triton is not None:
         in_row = cols < N
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
-            inv_w = tl.load(INV_W + cols, mask=in_row, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            b = tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         first_row = pid.to(tl.int64) * rows_per_program
@@ -112,17 +222,12 @@ if triton is not None:
             y = tl.load(Y + row * y_row_stride + cols, mask=live, other=0.0).to(tl.float32)
             # Clamped index instead of a scalar mask; an overhanging row stores nothing anyway.
             rstd = tl.load(RSTD + tl.minimum(row, M - 1))
-            # γ·x̂ = y − β exactly; x̂ itself needs the division by (clamped) γ.
-            scaled_xhat = y
-            if HAS_BIAS:
-                scaled_xhat = tl.where(live, y - b, 0.0)
+            xhat, scaled_xhat = _recover(y, live, cols, row, W, B, INV_W, SLOTS, KEPT, K,
+                                         HAS_WEIGHT, HAS_BIAS, HAS_KEPT)
             if HAS_WEIGHT:
-                xhat = scaled_xhat * inv_w
                 dy_w = dy * w
             else:
-                xhat = scaled_xhat
                 dy_w = dy
-            xhat = tl.minimum(tl.maximum(xhat, -xhat_max), xhat_max)
             mean_dy_w = tl.sum(dy_w, axis=0) / N
             mean_dy_scaled = tl.sum(dy * scaled_xhat, axis=0) / N
             dx = rstd * (dy_w - mean_dy_w - xhat * mean_dy_scaled)
@@ -136,13 +241,13 @@ if triton is not None:
 
     @triton.jit
     def _layernorm_bwd_row_sums_kernel(
-        DY, Y, W, B, SUMS, dy_row_stride, y_row_stride, N,
-        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr,
+        DY, Y, W, B, INV_W, SLOTS, KEPT, K, SUMS, dy_row_stride, y_row_stride, N,
+        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEPT: tl.constexpr, CHUNK: tl.constexpr,
     ):
-        # Wide rows, step 1: per row Σ g·γ and Σ g·(y − β) (= Σ g·γ·x̂), the two reductions dx
-        # needs, walking the row in chunks so nothing row-sized sits in registers. (Scalar sums
-        # per chunk: chunk-wide fp32 accumulators crash triton 3.9's sm_90 compiler for 16-bit
-        # inputs without affine, found by compile_check.)
+        # Wide rows, step 1: per row Σ g·γ and Σ g·γ·x̂, the two reductions dx needs, walking the
+        # row in chunks so nothing row-sized sits in registers. (Scalar sums per chunk:
+        # chunk-wide fp32 accumulators crash triton 3.9's sm_90 compiler for 16-bit inputs
+        # without affine, found by compile_check.)
         row = tl.program_id(0).to(tl.int64)
         sum_dy_w = 0.0
         sum_dy_scaled = 0.0
@@ -151,9 +256,8 @@ if triton is not None:
             live = cols < N
             dy = tl.load(DY + row * dy_row_stride + cols, mask=live, other=0.0).to(tl.float32)
             y = tl.load(Y + row * y_row_stride + cols, mask=live, other=0.0).to(tl.float32)
-            scaled_xhat = y
-            if HAS_BIAS:
-                scaled_xhat = tl.where(live, y - tl.load(B + cols, mask=live, other=0.0).to(tl.float32), 0.0)
+            _xhat, scaled_xhat = _recover(y, live, cols, row, W, B, INV_W, SLOTS, KEPT, K,
+                                          HAS_WEIGHT, HAS_BIAS, HAS_KEPT)
             dy_w = dy
             if HAS_WEIGHT:
                 dy_w = dy * tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
@@ -164,9 +268,9 @@ if triton is not None:
 
     @triton.jit
     def _layernorm_bwd_wide_kernel(
-        DY, Y, W, B, INV_W, RSTD, SUMS, DX, DW_PARTIAL, DB_PARTIAL,
-        dy_row_stride, y_row_stride, dx_row_stride, M, N, rows_per_program, xhat_max,
-        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr,
+        DY, Y, W, B, INV_W, RSTD, SLOTS, KEPT, K, SUMS, DX, DW_PARTIAL, DB_PARTIAL,
+        dy_row_stride, y_row_stride, dx_row_stride, M, N, rows_per_program,
+        HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEPT: tl.constexpr, CHUNK: tl.constexpr,
     ):
         # Wide rows, step 2: program (p, c) owns columns [c·CHUNK, (c+1)·CHUNK) of a run of rows:
         # dx for them from the row sums of step 1, and that chunk of its partial dγ/dβ, kept in
@@ -176,9 +280,6 @@ if triton is not None:
         in_row = cols < N
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
-            inv_w = tl.load(INV_W + cols, mask=in_row, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            b = tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([CHUNK], dtype=tl.float32)
         db_acc = tl.zeros([CHUNK], dtype=tl.float32)
         first_row = pid.to(tl.int64) * rows_per_program
@@ -191,16 +292,12 @@ if triton is not None:
             rstd = tl.load(RSTD + safe_row)
             mean_dy_w = tl.load(SUMS + safe_row * 2) / N
             mean_dy_scaled = tl.load(SUMS + safe_row * 2 + 1) / N
-            scaled_xhat = y
-            if HAS_BIAS:
-                scaled_xhat = tl.where(live, y - b, 0.0)
+            xhat, _scaled = _recover(y, live, cols, row, W, B, INV_W, SLOTS, KEPT, K,
+                                     HAS_WEIGHT, HAS_BIAS, HAS_KEPT)
             if HAS_WEIGHT:
-                xhat = scaled_xhat * inv_w
                 dy_w = dy * w
             else:
-                xhat = scaled_xhat
                 dy_w = dy
-            xhat = tl.minimum(tl.maximum(xhat, -xhat_max), xhat_max)
             dx = rstd * (dy_w - mean_dy_w - xhat * mean_dy_scaled)
             tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=live)
             dw_acc += dy * xhat
@@ -235,21 +332,32 @@ def _rstd_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if x_dtype == torch.float64 else torch.float32
 
 
+def _kept_args(kept_cols: Tensor, kept_xhat: Tensor, n: int, dummy: Tensor) -> tuple[Tensor, Tensor, int]:
+    """(slots, kept block, K) as the kernels take them; dummies when nothing is kept."""
+    k = kept_cols.numel()
+    if k == 0:
+        return dummy, dummy, 1
+    return column_slots(kept_cols, n), kept_xhat, k
+
+
 def _layernorm_fwd_triton(x: Tensor, n: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                          out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                          out_dtype: torch.dtype, kept_cols: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows = x.numel() // n
     # y has x's shape (not a 2-D buffer viewed back): the kernel just writes rows of n.
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    kept_xhat = torch.empty((rows, kept_cols.numel()), dtype=torch.float32, device=x.device)
     block_n = triton.next_power_of_2(n)
     dummy = rstd  # stands in for absent weight/bias pointers; never read (constexpr flags)
-    _layernorm_fwd_kernel[(rows,)](
-        x, y, weight if weight is not None else dummy, bias if bias is not None else dummy, rstd,
-        n, n, n, eps,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        num_warps=_num_warps(block_n),
-    )
-    return y, rstd
+    slots, kept_arg, k = _kept_args(kept_cols, kept_xhat, n, dummy)
+    with launch_on(x):
+        _layernorm_fwd_kernel[(rows,)](
+            x, y, weight if weight is not None else dummy, bias if bias is not None else dummy, rstd,
+            slots, kept_arg, k, n, n, n, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_KEPT=kept_cols.numel() > 0,
+            BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        )
+    return y, rstd, kept_xhat
 
 
 def _backward_plan(rows: int, n: int, sms: Optional[int]) -> tuple[bool, int, int, int]:
@@ -277,8 +385,9 @@ def _backward_plan(rows: int, n: int, sms: Optional[int]) -> tuple[bool, int, in
     return wide, programs, rows_per_program, chunks
 
 
-def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, weight: Optional[Tensor],
-                          bias: Optional[Tensor], x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept_xhat: Tensor,
+                          weight: Optional[Tensor], bias: Optional[Tensor],
+                          x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     rows = rstd.numel()
     n = y.numel() // rows
     dx = torch.empty(y.shape, dtype=x_dtype, device=y.device)
@@ -288,26 +397,29 @@ def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, weight: Optio
     partial_shape = (programs, n)
     dw_partial = torch.empty(partial_shape, dtype=torch.float32, device=y.device) if weight is not None else None
     db_partial = torch.empty(partial_shape, dtype=torch.float32, device=y.device) if bias is not None else None
-    inv_w = _safe_inverse_gamma(weight.float()) if weight is not None else None
     dummy = rstd
+    inv_w = recovery_inverse(weight, kept_cols) if weight is not None else dummy
+    slots, kept_arg, k = _kept_args(kept_cols, kept_xhat, n, dummy)
     w_arg, b_arg = (weight if weight is not None else dummy), (bias if bias is not None else dummy)
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_KEPT=kept_cols.numel() > 0)
     tail = (dw_partial if dw_partial is not None else dummy, db_partial if db_partial is not None else dummy,
-            n, n, n, rows, n, rows_per_program, xhat_bound(n))
-    if not wide:
-        _layernorm_bwd_kernel[(programs,)](
-            grad_y, y, w_arg, b_arg, inv_w if inv_w is not None else dummy, rstd, dx, *tail,
-            **flags, BLOCK_N=block_n, num_warps=_num_warps(block_n),
-        )
-    else:
-        sums = torch.empty((rows, 2), dtype=torch.float32, device=y.device)
-        _layernorm_bwd_row_sums_kernel[(rows,)](
-            grad_y, y, w_arg, b_arg, sums, n, n, n, **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
-        )
-        _layernorm_bwd_wide_kernel[(programs, chunks)](
-            grad_y, y, w_arg, b_arg, inv_w if inv_w is not None else dummy, rstd, sums, dx, *tail,
-            **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
-        )
+            n, n, n, rows, n, rows_per_program)
+    with launch_on(y):
+        if not wide:
+            _layernorm_bwd_kernel[(programs,)](
+                grad_y, y, w_arg, b_arg, inv_w, rstd, slots, kept_arg, k, dx, *tail,
+                **flags, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            )
+        else:
+            sums = torch.empty((rows, 2), dtype=torch.float32, device=y.device)
+            _layernorm_bwd_row_sums_kernel[(rows,)](
+                grad_y, y, w_arg, b_arg, inv_w, slots, kept_arg, k, sums, n, n, n,
+                **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
+            )
+            _layernorm_bwd_wide_kernel[(programs, chunks)](
+                grad_y, y, w_arg, b_arg, inv_w, rstd, slots, kept_arg, k, sums, dx, *tail,
+                **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
+            )
     # torch's sum over dim 0 is deterministic (no atomics), so dγ/dβ are bit-reproducible.
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else _empty_param_grad(None, y)
     db = db_partial.sum(0).to(bias.dtype) if bias is not None else _empty_param_grad(None, y)
@@ -315,71 +427,91 @@ def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, weight: Optio
 
 
 # ----------------------------------------------------------------------------------------------
-# Reference implementation (any device, any float dtype; same saved tensors as the kernels)
+# Reference implementation (any device, any float dtype; same saved tensors as the kernels).
+# Written for speed on the CPU: aten's fused LayerNorm forward and backward, plus an index per
+# kept column.
 # ----------------------------------------------------------------------------------------------
-def _safe_inverse_gamma(weight: Tensor) -> Tensor:
-    """1 / γ with γ clamped away from zero, keeping its sign (γ = 0 counts as positive).
-
-    τ = max(GAMMA_REL_FLOOR · max|γ|, GAMMA_ABS_FLOOR); computed on the device, no host sync.
-    """
-    if weight.numel() == 0:
-        return weight.clone()
-    tau = torch.clamp(weight.abs().amax() * GAMMA_REL_FLOOR, min=GAMMA_ABS_FLOOR)
-    safe = torch.where(weight >= 0, torch.maximum(weight, tau), torch.minimum(weight, -tau))
-    return safe.reciprocal()
-
-
 def _empty_param_grad(param: Optional[Tensor], like: Tensor) -> Tensor:
     # Custom ops cannot return None: an absent weight/bias gets an empty gradient.
     return torch.empty((0,), dtype=param.dtype if param is not None else torch.float32, device=like.device)
 
 
-def _layernorm_fwd_reference(x: Tensor, ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                             out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    # Reduces over the trailing ``ndim`` dims of x as it is, so y comes out in x's shape without
-    # a view of some 2-D buffer.
-    compute = _rstd_dtype(x.dtype)
-    dims = tuple(range(x.dim() - ndim, x.dim()))
-    shape = x.shape[x.dim() - ndim:]
-    xc = x.to(compute)
-    centered = xc - xc.mean(dim=dims, keepdim=True)
-    rstd = torch.rsqrt((centered * centered).mean(dim=dims, keepdim=True) + eps)
-    y = centered * rstd
-    if weight is not None:
-        y = y * weight.to(compute).view(shape)
-    if bias is not None:
-        y = y + bias.to(compute).view(shape)
-    return y.to(out_dtype), rstd.reshape(-1)
-
-
-def _layernorm_bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, ndim: int, weight: Optional[Tensor],
-                             bias: Optional[Tensor], x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    compute = rstd.dtype  # fp32, or fp64 for fp64 inputs
-    dims = tuple(range(y.dim() - ndim, y.dim()))
-    shape = y.shape[y.dim() - ndim:]
+def normalize_rows_reference(s: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor],
+                             bias: Optional[Tensor], eps: float, out_dtype: torch.dtype,
+                             kept_cols: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm of ``s`` (already in the compute dtype) over its trailing ``normalized_shape``
+    -> (y in s's shape and out_dtype (a fresh tensor, not a view), rstd [rows], x̂ of the kept
+    columns [rows, K]). weight/bias flattened to [n]. Shared with DropoutAddLayerNorm."""
+    shape = list(normalized_shape)
+    y, mean, rstd = torch.native_layer_norm(
+        s, shape,
+        weight.to(s.dtype).view(shape) if weight is not None else None,
+        bias.to(s.dtype).view(shape) if bias is not None else None,
+        eps,
+    )
     n = math.prod(shape)
-    g = grad_y.to(compute)
-    scaled_xhat = y.to(compute)  # γ·x̂
-    if bias is not None:
-        scaled_xhat = scaled_xhat - bias.to(compute).view(shape)
-    if weight is not None:
-        w = weight.to(compute).view(shape)
-        xhat = scaled_xhat * _safe_inverse_gamma(w)
-        g_w = g * w
+    rows = s.numel() // n if n else 0
+    if kept_cols.numel():
+        kept_xhat = (s.reshape(rows, n).index_select(1, kept_cols) - mean.reshape(rows, 1)) * rstd.reshape(rows, 1)
     else:
-        xhat = scaled_xhat
-        g_w = g
-    xhat = xhat.clamp(-xhat_bound(n), xhat_bound(n))
-    mean_g_w = g_w.mean(dim=dims, keepdim=True)
-    mean_g_scaled = (g * scaled_xhat).mean(dim=dims, keepdim=True)
-    dx = rstd.view(y.shape[: y.dim() - ndim] + (1,) * ndim) * (g_w - mean_g_w - xhat * mean_g_scaled)
-    dw = (g * xhat).reshape(-1, n).sum(0).to(weight.dtype) if weight is not None else _empty_param_grad(None, y)
-    db = g.reshape(-1, n).sum(0).to(bias.dtype) if bias is not None else _empty_param_grad(None, y)
-    return dx.to(x_dtype), dw, db
+        kept_xhat = s.new_empty((rows, 0))
+    return y.to(out_dtype), rstd.reshape(-1), kept_xhat
+
+
+def recover_xhat(y2d: Tensor, kept_cols: Tensor, kept_xhat: Tensor, weight: Optional[Tensor],
+                 bias: Optional[Tensor], compute: torch.dtype) -> Tensor:
+    """x̂ [rows, n] in ``compute``: (y − β)/γ for recovered columns (error (R)), the kept x̂ for
+    the others. Always a fresh tensor (y is never written)."""
+    xhat = y2d.to(compute, copy=True)
+    if bias is not None:
+        xhat -= bias.to(compute)
+    if weight is not None:
+        xhat *= recovery_inverse(weight, kept_cols).to(compute)
+    if kept_cols.numel():
+        xhat.index_copy_(1, kept_cols, kept_xhat.to(compute))
+    return xhat
+
+
+def normalize_rows_backward_reference(g2d: Tensor, y2d: Tensor, rstd: Tensor, kept_cols: Tensor,
+                                      kept_xhat: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                                      ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(d(input) [rows, n] in the compute dtype, dγ or None, dβ or None) from y and the kept x̂.
+
+    aten's fused LayerNorm backward run on the recovered x̂ with mean 0 and rstd 1, then scaled
+    by the true rstd: it computes rstd·(g·γ − mean(g·γ) − x̂·mean(g·γ·x̂)), the formula of the
+    module docstring, with γ·x̂ from the recovered x̂ (one rounding away from y − β). Shared with
+    DropoutAddLayerNorm."""
+    compute = rstd.dtype
+    rows, n = g2d.shape
+    g = g2d.to(compute)
+    xhat = recover_xhat(y2d, kept_cols, kept_xhat, weight, bias, compute)
+    unit = g.new_ones((rows, 1))
+    w = weight.to(compute) if weight is not None else None
+    dsum, dw, db = torch.ops.aten.native_layer_norm_backward(
+        g, xhat, [n], unit.new_zeros((rows, 1)), unit, w, None, [True, w is not None, False])
+    del xhat
+    db = g.sum(0) if bias is not None else None
+    return dsum.mul_(rstd.unsqueeze(-1)), dw, db
+
+
+def _layernorm_fwd_reference(x: Tensor, ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                             out_dtype: torch.dtype, kept_cols: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return normalize_rows_reference(x.to(_rstd_dtype(x.dtype)), x.shape[x.dim() - ndim:], weight, bias, eps,
+                                    out_dtype, kept_cols)
+
+
+def _layernorm_bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept_xhat: Tensor,
+                             n: int, weight: Optional[Tensor], bias: Optional[Tensor],
+                             x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = normalize_rows_backward_reference(grad_y.reshape(-1, n), y.reshape(-1, n), rstd, kept_cols,
+                                                   kept_xhat, weight, bias)
+    dw = dw.to(weight.dtype) if weight is not None else _empty_param_grad(None, y)
+    db = db.to(bias.dtype) if bias is not None else _empty_param_grad(None, y)
+    return dx.view(y.shape).to(x_dtype), dw, db
 
 
 # ----------------------------------------------------------------------------------------------
-# Custom ops (torch.compile traces them as single nodes; autograd saves only y and rstd)
+# Custom ops (torch.compile traces them as single nodes; autograd saves y, rstd and the kept x̂)
 # ----------------------------------------------------------------------------------------------
 def _check_op_backend(backend: str, n: int, dtype: torch.dtype, op: str) -> None:
     if backend not in ("triton", "reference"):
@@ -394,41 +526,54 @@ def _trailing_numel(t: Tensor, ndim: int) -> int:
     return math.prod(t.shape[t.dim() - ndim:])
 
 
+def kept_fake(rows: int, like: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Fake (kept_cols [K], kept_xhat [rows, K]) for a data-dependent K (torch.compile)."""
+    k = torch.library.get_ctx().new_dynamic_size()
+    return like.new_empty((k,), dtype=torch.int64), like.new_empty((rows, k), dtype=dtype)
+
+
 @torch.library.custom_op("tempo::layernorm_fwd", mutates_args=())
 def layernorm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                  out_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+                  out_dtype: torch.dtype, backend: str, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x: contiguous, normalized over its last ``normalized_ndim`` dims (N features); weight and bias
-    flattened to [N] -> (y in x's shape and out_dtype, rstd [rows] fp32 (fp64 for fp64 x)).
+    flattened to [N] -> (y in x's shape and out_dtype, rstd [rows] fp32 (fp64 for fp64 x),
+    kept_cols int64 [K], kept_xhat [rows, K] in rstd's dtype).
 
     ``backend`` ("triton" or "reference") is resolved by the caller, so the backward can be told
-    the same one."""
+    the same one; ``name`` names the layer in errors."""
     n = _trailing_numel(x, normalized_ndim)
     _check_op_backend(backend, n, x.dtype, "tempo::layernorm_fwd")
+    kept_cols = plan_kept_columns(weight, bias, out_dtype, n, x.device, name)
     if backend == "triton" and x.numel() > 0:  # empty: no kernel to launch
-        return _layernorm_fwd_triton(x, n, weight, bias, eps, out_dtype)
-    return _layernorm_fwd_reference(x, normalized_ndim, weight, bias, eps, out_dtype)
+        y, rstd, kept_xhat = _layernorm_fwd_triton(x, n, weight, bias, eps, out_dtype, kept_cols)
+    else:
+        y, rstd, kept_xhat = _layernorm_fwd_reference(x, normalized_ndim, weight, bias, eps, out_dtype, kept_cols)
+    return y, rstd, kept_cols, kept_xhat
 
 
 @layernorm_fwd.register_fake
-def _(x, normalized_ndim, weight, bias, eps, out_dtype, backend):
+def _(x, normalized_ndim, weight, bias, eps, out_dtype, backend, name):
     rows = math.prod(x.shape[: x.dim() - normalized_ndim])
-    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows,), dtype=_rstd_dtype(x.dtype))
+    compute = _rstd_dtype(x.dtype)
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows,), dtype=compute),
+            *kept_fake(rows, x, compute))
 
 
 @torch.library.custom_op("tempo::layernorm_bwd", mutates_args=())
-def layernorm_bwd(grad_y: Tensor, y: Tensor, rstd: Tensor, normalized_ndim: int, weight: Optional[Tensor],
-                  bias: Optional[Tensor], x_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def layernorm_bwd(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept_xhat: Tensor,
+                  normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], x_dtype: torch.dtype,
+                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """-> (dx in x_dtype and y's shape, dγ in γ's dtype, dβ in β's dtype); an absent γ/β gets an
     empty tensor. ``backend`` is the one the forward ran (recorded in the autograd ctx)."""
     n = _trailing_numel(y, normalized_ndim)
     _check_op_backend(backend, n, y.dtype, "tempo::layernorm_bwd")
     if backend == "triton" and y.numel() > 0:
-        return _layernorm_bwd_triton(grad_y, y, rstd, weight, bias, x_dtype)
-    return _layernorm_bwd_reference(grad_y, y, rstd, normalized_ndim, weight, bias, x_dtype)
+        return _layernorm_bwd_triton(grad_y, y, rstd, kept_cols, kept_xhat, weight, bias, x_dtype)
+    return _layernorm_bwd_reference(grad_y, y, rstd, kept_cols, kept_xhat, n, weight, bias, x_dtype)
 
 
 @layernorm_bwd.register_fake
-def _(grad_y, y, rstd, normalized_ndim, weight, bias, x_dtype, backend):
+def _(grad_y, y, rstd, kept_cols, kept_xhat, normalized_ndim, weight, bias, x_dtype, backend):
     def param_grad(p):
         return p.new_empty(p.shape) if p is not None else y.new_empty((0,), dtype=torch.float32)
 
@@ -436,23 +581,24 @@ def _(grad_y, y, rstd, normalized_ndim, weight, bias, x_dtype, backend):
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    x, normalized_ndim, weight, bias, _eps, _out_dtype, backend = inputs
-    y, rstd = output
-    # The output, not the input: y is the tensor the next layer keeps anyway.
-    ctx.save_for_backward(y, rstd, weight, bias)
+    x, normalized_ndim, weight, bias, _eps, _out_dtype, backend, _name = inputs
+    y, rstd, kept_cols, kept_xhat = output
+    # The output, not the input: y is the tensor the next layer keeps anyway; x̂ only of the
+    # columns where y cannot give it back.
+    ctx.save_for_backward(y, rstd, kept_cols, kept_xhat, weight, bias)
     ctx.x_dtype = x.dtype
     ctx.normalized_ndim = normalized_ndim
     # The backend the forward ran, not whatever use_backend() says when backward runs: on CUDA
     # that is autograd's device thread, where the forward thread's use_backend() is not active.
     ctx.backend = backend
-    ctx.mark_non_differentiable(rstd)
+    ctx.mark_non_differentiable(rstd, kept_cols, kept_xhat)
 
 
-def _fwd_backward(ctx, grad_y, _grad_rstd):
-    y, rstd, weight, bias = ctx.saved_tensors
-    dx, dw, db = torch.ops.tempo.layernorm_bwd(grad_y.contiguous(), y, rstd, ctx.normalized_ndim, weight, bias,
-                                               ctx.x_dtype, ctx.backend)
-    return (dx, None, dw if weight is not None else None, db if bias is not None else None, None, None, None)
+def _fwd_backward(ctx, grad_y, _grad_rstd, _grad_cols, _grad_kept):
+    y, rstd, kept_cols, kept_xhat, weight, bias = ctx.saved_tensors
+    dx, dw, db = torch.ops.tempo.layernorm_bwd(grad_y.contiguous(), y, rstd, kept_cols, kept_xhat,
+                                               ctx.normalized_ndim, weight, bias, ctx.x_dtype, ctx.backend)
+    return (dx, None, dw if weight is not None else None, db if bias is not None else None, None, None, None, None)
 
 
 layernorm_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -502,12 +648,15 @@ def _output_dtype(x: Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
 
 def inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[Tensor] = None,
                       bias: Optional[Tensor] = None, eps: float = 1e-5,
-                      out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """LayerNorm over the last ``len(normalized_shape)`` dims whose backward keeps only y and rstd.
+                      out_dtype: Optional[torch.dtype] = None, name: Optional[str] = None) -> Tensor:
+    """LayerNorm over the last ``len(normalized_shape)`` dims whose backward keeps y, rstd and x̂ of
+    the columns y cannot give back (the module docstring's rule).
 
     ``out_dtype`` None means: the autocast dtype when autocast is enabled on x's device (and x is
     fp32/fp16/bf16), else x's dtype. Statistics are always computed in fp32 (fp64 for fp64 x).
     A non-contiguous x is copied to a contiguous one first (the copy is not kept for backward).
+    ``name`` names the layer in errors (non-finite γ/β). Without a backward (see the module
+    docstring) it runs ``F.layer_norm`` and keeps nothing.
     """
     check_float_tensor(x, "input", OP_NAME)
     shape = _as_shape(normalized_shape)
@@ -516,24 +665,34 @@ def inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[
             f"{OP_NAME}: argument 'normalized_shape' {shape} must match the trailing dimensions of "
             f"the input, got input of shape {tuple(x.shape)}"
         )
-    for name, param in (("weight", weight), ("bias", bias)):
+    for arg, param in (("weight", weight), ("bias", bias)):
         if param is not None:
-            check_float_tensor(param, name, OP_NAME)
+            check_float_tensor(param, arg, OP_NAME)
             if tuple(param.shape) != shape:
-                raise ValueError(f"{OP_NAME}: argument '{name}' of shape {tuple(param.shape)} must have "
+                raise ValueError(f"{OP_NAME}: argument '{arg}' of shape {tuple(param.shape)} must have "
                                  f"the normalized_shape {shape}")
     if out_dtype is not None and not out_dtype.is_floating_point:
         raise TypeError(f"{OP_NAME}: argument 'out_dtype' must be a floating-point dtype, got {out_dtype}")
+    dtype = _output_dtype(x, out_dtype)
+    if not needs_backward(x, weight, bias):
+        # Nothing will be kept: aten's fused LayerNorm (fp32 under autocast, like nn.LayerNorm),
+        # returned in the dtype the Tempo path returns so the model behaves the same either way.
+        with torch.autocast(x.device.type, enabled=False):
+            compute = _rstd_dtype(x.dtype)
+            y = F.layer_norm(x.to(compute), shape, weight.to(compute) if weight is not None else None,
+                             bias.to(compute) if bias is not None else None, eps)
+        return y.to(dtype)
     n = math.prod(shape)
-    y, _rstd = torch.ops.tempo.layernorm_fwd(
+    y, _rstd, _cols, _kept = torch.ops.tempo.layernorm_fwd(
         x.contiguous(),
         len(shape),
         # Views of contiguous parameters (the usual case) share their storage: nothing is copied.
         weight.reshape(n).contiguous() if weight is not None else None,
         bias.reshape(n).contiguous() if bias is not None else None,
         float(eps),
-        _output_dtype(x, out_dtype),
+        dtype,
         resolve_layernorm_backend(x, n),
+        name or OP_NAME,
     )
     return y
 
@@ -547,6 +706,8 @@ class LayerNormParameters(nn.Module):
     normalized_shape: tuple[int, ...]
     eps: float
     elementwise_affine: bool
+    # The layer's qualified name in its model (name_layernorms), quoted by its errors.
+    tempo_name: Optional[str] = None
 
     def __init__(self, normalized_shape: _ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None, op: str = OP_NAME) -> None:
@@ -578,35 +739,39 @@ class LayerNormParameters(nn.Module):
 
 
 class InplaceLayerNorm(LayerNormParameters):
-    """Drop-in ``nn.LayerNorm`` whose backward keeps its output y and one fp32 rstd per row.
+    """Drop-in ``nn.LayerNorm`` whose backward keeps its output y, one fp32 rstd per row, and x̂
+    of the (usually no) columns whose γ is too small against β to recover it.
 
     Same constructor, ``weight``/``bias`` parameters, state_dict keys and repr as
     ``nn.LayerNorm``; state dicts load in both directions.
 
-    Precision: x̂ is recovered from y as stored, so its error is about u·|y_j|/|γ_j| (u: unit
-    roundoff of y's dtype); with |γ| ~ 1 this matches nn.LayerNorm's gradients to the usual
-    fp32/fp16/bf16 tolerances. Double backward is not supported.
+    Precision: exact by construction for any γ and β (module docstring): a column's x̂ is either
+    recovered from y within (u_D + 3u_c)·(|x̂| + 1), u_D the unit roundoff of y's dtype, or kept.
+    Gradients match nn.LayerNorm's to the rounding of y in its dtype. Non-finite γ or β raise in
+    the forward, naming the layer (``tempo_name``, set by ``name_layernorms``). Double backward is
+    not supported.
 
     Dtypes: under ``torch.autocast`` (fp32/fp16/bf16 input) the output is in the autocast dtype,
     computed in fp32 internally, so the next autocast Linear keeps the very same storage; outside
     autocast the output has the input's dtype. (nn.LayerNorm returns fp32 under autocast, and the
     Linear then keeps its own bf16 copy as well.)
 
-    γ near zero: x̂ = (y − β)/γ cannot be recovered where γ_j = 0. The backward divides by γ
-    clamped away from zero keeping its sign (0 counts as +): |γ_j| → max(|γ_j|, τ) with
-    τ = max(1e-6 · max_k |γ_k|, 1e-12), and clamps the recovered x̂ to its feasible range
-    [−√(N−1), √(N−1)]. Consequences, always with finite gradients:
-      * dβ and the terms of dx that need no x̂ (rstd·(g·γ − mean(g·γ)) and the coefficient
-        mean(g·γ·x̂) = mean(g·(y − β))) are exact for every feature;
-      * features with |γ_j| >= τ get exact dγ_j and dx_j (up to the rounding of y in its dtype);
-      * for features with |γ_j| < τ, x̂_j is approximated by x̂'_j (in exact arithmetic
-        x̂'_j = x̂_j·|γ_j|/τ, shrunk towards 0; 0 at γ_j = 0), |x̂'_j| <= √(N−1), so
-            |dγ_j − dγ_j,true| <= 2·√(N−1)·Σ_rows |g_rj|,
-            |dx_rj − dx_rj,true| <= 2·√(N−1)·rstd_r·|mean_k(g_rk·(y_rk − β_k))|.
+    Without a backward (``torch.no_grad()``, ``inference_mode()``, nothing requiring grad) it runs
+    ``F.layer_norm`` and keeps nothing.
     """
 
     def forward(self, input: Tensor) -> Tensor:
-        return inplace_layernorm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return inplace_layernorm(input, self.normalized_shape, self.weight, self.bias, self.eps,
+                                 name=self.tempo_name or type(self).__name__)
 
 
-__all__ = ["InplaceLayerNorm", "LayerNormParameters", "inplace_layernorm", "layernorm_fwd", "layernorm_bwd", "xhat_bound"]
+def name_layernorms(root: nn.Module) -> None:
+    """Give every Tempo LayerNorm under ``root`` its qualified name (``encoder.layer.5.output.LayerNorm``),
+    which its errors quote."""
+    for qualified, module in root.named_modules():
+        if isinstance(module, LayerNormParameters):
+            module.tempo_name = qualified or type(module).__name__
+
+
+__all__ = ["InplaceLayerNorm", "LayerNormParameters", "inplace_layernorm", "layernorm_fwd", "layernorm_bwd",
+           "name_layernorms", "plan_kept_columns", "unrecoverable_columns"]
