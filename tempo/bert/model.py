@@ -30,6 +30,14 @@ def _layer_norm(config: BertConfig, options: TempoChoice) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
+def _name_tempo_layernorms(model: nn.Module) -> None:
+    """Tempo LayerNorms quote their qualified name in errors (a non-finite γ or β)."""
+    options = getattr(model, "options", None) or getattr(getattr(model, "bert", None), "options", None)
+    if options is not None and (options.layernorm or options.dropout_add_layernorm):
+        from tempo.ops.layernorm import name_layernorms  # lazy, as _layer_norm
+        name_layernorms(model)
+
+
 def _gelu(config: BertConfig, options: TempoChoice) -> nn.Module:
     """The GELU form config.hidden_act names ("gelu": exact erf; "gelu_new", "gelu_pytorch_tanh",
     ...: tanh), as InplaceGelu with the gelu choice, else nn.GELU."""
@@ -279,6 +287,7 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(config, self.options, checkpoint_activations)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         init_bert_weights(self, config.initializer_range)
+        _name_tempo_layernorms(self)
 
     def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
                 attention_mask: Optional[Tensor] = None) -> BertModelOutput:
@@ -361,6 +370,7 @@ class BertForPreTraining(nn.Module):
         self.cls = BertPreTrainingHeads(config, self.bert.options,
                                         self.bert.embeddings.word_embeddings.weight)
         init_bert_weights(self.cls, config.initializer_range)
+        _name_tempo_layernorms(self)
 
     def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
                 attention_mask: Optional[Tensor] = None,
@@ -403,6 +413,7 @@ class BertForQuestionAnswering(nn.Module):
         self.bert = BertModel(config, options, checkpoint_activations, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         init_bert_weights(self.qa_outputs, config.initializer_range)
+        _name_tempo_layernorms(self)
 
     def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
                 attention_mask: Optional[Tensor] = None,
