@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tempo.ops.unpad import LayoutError, TokenLayout
+from tempo.unpad import LayoutError, TokenLayout
 
 
 def test_right_and_left_padding_round_trip():
