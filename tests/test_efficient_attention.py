@@ -81,6 +81,11 @@ def _qkv(b, h, s_q, s_k, d, dtype, d_v=None):
     return q, k, v
 
 
+def _leaves(*tensors):
+    """Inputs that require grad: the Tempo op runs (without a backward the stock sdpa does)."""
+    return tuple(t.detach().clone().requires_grad_() for t in tensors)
+
+
 def _compare(q, k, v, dtype, p=0.0, seed=1234, mask=None, scale=None, is_causal=False):
     g = torch.randn(q.shape[:3] + (v.shape[-1],)).to(dtype)
     seed_t = torch.tensor(seed)
@@ -187,19 +192,19 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(dtype):
 
 def test_finfo_min_row_attends_uniformly_like_sdpa():
     """finfo.min is a number, not -inf: a row masked only by it attends uniformly, as in sdpa."""
-    q, k, v = _qkv(1, 2, 4, 9, 8, torch.float32)
+    q, k, v = _leaves(*_qkv(1, 2, 4, 9, 8, torch.float32))
     mask = torch.zeros(1, 1, 4, 9)
     mask[0, 0, 2] = torch.finfo(torch.float32).min
-    out = efficient_attention(q, k, v, attn_mask=mask)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-    torch.testing.assert_close(out[0, :, 2], v[0].mean(dim=1))
+    out = efficient_attention(q, k, v, attn_mask=mask).detach()
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask).detach())
+    torch.testing.assert_close(out[0, :, 2], v[0].detach().mean(dim=1))
 
 
 @pytest.mark.parametrize("s_q,s_k", [(7, 7), (300, 300), (123, 300), (300, 123)])
 def test_causal(s_q, s_k):
     q, k, v = _qkv(1, 2, s_q, s_k, 32, torch.float32)
     out, *_ = _compare(q, k, v, torch.float32, p=0.2, is_causal=True)
-    no_drop = efficient_attention(q, k, v, is_causal=True)
+    no_drop = efficient_attention(*_leaves(q, k, v), is_causal=True).detach()
     torch.testing.assert_close(no_drop, F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                atol=2e-5, rtol=1e-4)
 
@@ -207,15 +212,16 @@ def test_causal(s_q, s_k):
 def test_scale():
     q, k, v = _qkv(2, 2, 130, 70, 64, torch.float32)
     _compare(q, k, v, torch.float32, p=0.1, scale=0.37)
-    torch.testing.assert_close(efficient_attention(q, k, v, scale=0.37),
+    torch.testing.assert_close(efficient_attention(*_leaves(q, k, v), scale=0.37).detach(),
                                F.scaled_dot_product_attention(q, k, v, scale=0.37), atol=2e-5, rtol=1e-4)
 
 
 def test_matches_sdpa_without_dropout():
     q, k, v = _qkv(2, 3, 140, 140, 64, torch.float32)
     mask = torch.zeros(2, 1, 1, 140).masked_fill(torch.arange(140) >= 120, torch.finfo(torch.float32).min)
-    torch.testing.assert_close(efficient_attention(q, k, v, attn_mask=mask, dropout_p=0.5, training=False),
-                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        efficient_attention(*_leaves(q, k, v), attn_mask=mask, dropout_p=0.5, training=False).detach(),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=2e-5, rtol=1e-4)
 
 
 def test_non_contiguous_inputs_and_grad_layout():
@@ -271,7 +277,7 @@ def test_forward_applies_exactly_the_regenerated_mask():
 
 
 def test_default_seed_follows_torch_rng_and_training_flag():
-    q, k, v = _qkv(2, 2, 20, 20, 16, torch.float32)
+    q, k, v = _leaves(*_qkv(2, 2, 20, 20, 16, torch.float32))
     torch.manual_seed(3)
     a = efficient_attention(q, k, v, dropout_p=0.5)
     torch.manual_seed(3)
@@ -337,8 +343,10 @@ def test_saved_lse_is_fp64_for_fp64_inputs():
 
 
 def test_output_layout_merges_heads_as_a_view():
+    """With a backward to keep for, the output is stored (b, s, h, d). (Without one the stock sdpa
+    runs and its layout is sdpa's: see test_no_backward_runs_stock_sdpa.)"""
     b, h, s, d = 2, 4, 9, 16
-    q, k, v = _qkv(b, h, s, s, d, torch.float32)
+    q, k, v = (t.requires_grad_() for t in _qkv(b, h, s, s, d, torch.float32))
     out = efficient_attention(q, k, v, dropout_p=0.1)
     assert out.shape == (b, h, s, d) and not out.is_contiguous()
     assert out.transpose(1, 2).is_contiguous()
@@ -409,7 +417,7 @@ def test_every_backend_runs(backend, device):
     """No Triton kernel: 'triton' forced means the reference path on the CPU, sdpa on CUDA."""
     from tempo.ops._backend import use_backend
 
-    q, k, v = (t.to(device) for t in _qkv(1, 2, 9, 9, 16, torch.float32))
+    q, k, v = _leaves(*(t.to(device) for t in _qkv(1, 2, 9, 9, 16, torch.float32)))
     if device == "cpu":
         seed = torch.tensor(8)
         out = efficient_attention(q, k, v, dropout_p=0.2, seed=seed)
@@ -417,8 +425,11 @@ def test_every_backend_runs(backend, device):
             assert torch.equal(out, efficient_attention(q, k, v, dropout_p=0.2, seed=seed))
     else:
         out = efficient_attention(q, k, v)
+        assert _sdpa_kernel_of(out) == "efficient"  # fp32: flash takes 16-bit only
         with use_backend("reference"):
-            torch.testing.assert_close(out, efficient_attention(q, k, v))
+            ref = efficient_attention(q, k, v)
+        assert _sdpa_kernel_of(ref) is None
+        torch.testing.assert_close(out, ref)
 
 
 def test_fallback_logged_once(caplog):
@@ -497,15 +508,37 @@ def test_bad_inputs_name_the_argument(case, exc, words):
 
 
 # ------------------------------------------------------------------------------------------------
-# CUDA: the fused sdpa path (skipped without a GPU)
+# CUDA: the fused sdpa path. Marked gpu (the GPU suite selects -m gpu); skipped without a GPU.
+# Expectations are those of torch 2.11 on an H100 (cuDNN 9.19, which torch would put first).
 # ------------------------------------------------------------------------------------------------
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _sdpa_kernel_of(out):
+    """'flash', 'efficient' or 'cudnn': the fused sdpa kernel whose backward is in ``out``'s graph;
+    None for anything else (the reference op, the math backend)."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        name = fn.name()
+        if "ScaledDotProduct" in name:
+            for key, kernel in (("Flash", "flash"), ("Efficient", "efficient"), ("Cudnn", "cudnn")):
+                if key in name:
+                    return kernel
+        todo.extend(f for f, _ in fn.next_functions)
+    return None
+
+
+@pytest.mark.gpu
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_cuda_fused_path(dtype, with_mask):
+    """Flash without a mask, efficient with one (never cuDNN, though torch 2.11 would pick it
+    first on an H100): both store the output as (b, s, h, d)."""
     b, h, s, d = 2, 4, 200, 64
     q, k, v = (t.cuda().requires_grad_() for t in _qkv(b, h, s, s, d, dtype))
     mask = None
@@ -514,6 +547,7 @@ def test_cuda_fused_path(dtype, with_mask):
         mask[1, ..., 150:] = False
     with ActivationLedger() as led:
         out = efficient_attention(q, k, v, attn_mask=mask)
+    assert _sdpa_kernel_of(out) == ("efficient" if with_mask else "flash")
     assert all(math.prod(r.shape) < s * s for r in led.records)
     assert out.transpose(1, 2).is_contiguous()
     g = torch.randn_like(out)
@@ -523,19 +557,187 @@ def test_cuda_fused_path(dtype, with_mask):
         _close(a.cpu(), r, dtype, name)
 
 
+@pytest.mark.gpu
 @cuda_only
-def test_cuda_fully_masked_rows_are_zero_not_nan():
-    b, h, s, d = 2, 2, 64, 64
-    q, k, v = (t.cuda().requires_grad_() for t in _qkv(b, h, s, s, d, torch.bfloat16))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("s", [64, 192, 320])
+def test_cuda_fully_masked_rows_are_zero_not_nan(dtype, s):
+    """A fully padded sample at s % 128 == 64: cuDNN (torch 2.11's first choice on an H100) gives
+    NaN grad_q there (pytorch 196678); the efficient kernel we give masks to gives 0."""
+    b, h, d = 2, 2, 64
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(b, h, s, s, d, dtype))
     mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda")
     mask[1] = False  # the whole second sample is padding
     out = efficient_attention(q, k, v, attn_mask=mask)
+    assert _sdpa_kernel_of(out) == "efficient"
     out.float().sum().backward()
     for t in (out, q.grad, k.grad, v.grad):
         assert not t.isnan().any()
     assert (out[1] == 0).all() and (q.grad[1] == 0).all()
 
 
+def _adversarial_lse_inputs(s, dtype, kind):
+    """Half the query rows score about -128 against every key (q ~ -4, k ~ +4, d = 64, scale 1/8),
+    so their log-sum-exp is about -128 + ln(s) < -88.7; sample 1 pads its last quarter of keys and
+    sample 0 has one fully masked query row."""
+    b, h, d = 2, 2, 64
+    q = torch.randn(b, h, s, d) * 0.5
+    q[:, :, ::2] = -4.0 + 0.05 * torch.randn(b, h, (s + 1) // 2, d)
+    k = 4.0 + 0.05 * torch.randn(b, h, s, d)
+    v = torch.randn(b, h, s, d)
+    allowed = torch.ones(b, 1, s, s, dtype=torch.bool)
+    allowed[1, ..., 3 * s // 4:] = False
+    allowed[0, 0, 5] = False
+    mask = allowed if kind == "bool" else torch.zeros(b, 1, s, s).masked_fill(~allowed, float("-inf"))
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(d)
+    lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    finite = lse[torch.isfinite(lse)]
+    assert finite.min() < -88.7 and torch.isinf(lse[0, :, 5]).all()  # the condition is really there
+    return q.to(dtype), k.to(dtype), v.to(dtype), mask
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("s", [64, 192, 320])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_cuda_log_sum_exp_below_fp32_exp_range(dtype, s, kind):
+    """pytorch 196678's three conditions together (explicit mask, s % 128 == 64, rows whose
+    log-sum-exp is below -88.7) plus a fully masked row: every gradient finite and equal to the
+    fp64 reference."""
+    q, k, v, mask = _adversarial_lse_inputs(s, dtype, kind)
+    q, k, v = (t.cuda().requires_grad_() for t in (q, k, v))
+    cuda_mask = mask.cuda() if kind == "bool" else mask.to("cuda", dtype)
+    out = efficient_attention(q, k, v, attn_mask=cuda_mask)
+    assert _sdpa_kernel_of(out) == "efficient"
+    g = torch.randn_like(out)
+    out.backward(g)
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t).all()
+    ref = _reference(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), g.cpu(),
+                     mask if kind == "bool" else mask.to(dtype))
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
+        # Scores of size 128 carry an absolute rounding error of 128 ulp in the dtype: compare
+        # against the largest gradient entry.
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(a.cpu().double(), r, atol=atol * max(1.0, r.abs().max().item()), rtol=rtol,
+                                   msg=lambda m: f"{name}: {m}")
+    assert (out[0, :, 5] == 0).all() and (q.grad[0, :, 5] == 0).all()
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("p", [0.1, 0.3])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_cuda_attention_dropout_statistics(dtype, p, with_mask):
+    """q = k = 0 makes every probability 1/s; v = I reads the dropped, rescaled probabilities off
+    the output. Keep rate within 3 sigma of 1 - p and mean 1 after scaling by s: cuDNN's 1/16
+    resolution would turn p = 0.1 into 0.0625 or 0.125 (40 sigma away here)."""
+    b, h, s = 4, 4, 128
+    q = torch.zeros(b, h, s, s, dtype=dtype, device="cuda", requires_grad=True)
+    k = torch.zeros(b, h, s, s, dtype=dtype, device="cuda", requires_grad=True)
+    v = torch.eye(s, dtype=dtype, device="cuda").repeat(b, h, 1, 1).requires_grad_()
+    mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda") if with_mask else None
+    out = efficient_attention(q, k, v, attn_mask=mask, dropout_p=p)
+    assert _sdpa_kernel_of(out) == ("efficient" if with_mask else "flash")
+    scaled = out.detach().double() * s  # keep / (1 - p) per entry
+    kept = scaled != 0
+    n = kept.numel()
+    rate = kept.double().mean().item()
+    assert abs(rate - (1 - p)) < 3 * math.sqrt(p * (1 - p) / n), (rate, 1 - p)
+    # Mean 1: the kept value is 1/(1 - p) rounded to the dtype, so its rounding adds to 3 sigma.
+    assert abs(scaled.mean().item() - 1.0) < 3 * math.sqrt(p / (1 - p) / n) + torch.finfo(dtype).eps, \
+        scaled.mean().item()
+    torch.testing.assert_close(scaled[kept], torch.full_like(scaled[kept], 1 / (1 - p)), atol=0,
+                               rtol=2 * torch.finfo(dtype).eps)
+    out.float().sum().backward()
+    assert torch.isfinite(v.grad).all()
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_cuda_cudnn_runs_when_it_is_what_the_user_left():
+    """Flash and efficient switched off by the user: cuDNN takes an unmasked call at p = 0, and
+    p = 0.1 (not a multiple of 1/16) or a mask go to the reference op instead, logged once."""
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(2, 2, 128, 128, 64, torch.bfloat16))
+    flash, eff = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    try:
+        out = efficient_attention(q, k, v)
+        cap = torch.cuda.get_device_capability()
+        cudnn_ok = cap >= (8, 0) and (torch.backends.cudnn.version() or 0) >= 90000
+        assert _sdpa_kernel_of(out) == ("cudnn" if cudnn_ok else None)
+        assert _sdpa_kernel_of(efficient_attention(q, k, v, dropout_p=0.1)) is None
+        mask = torch.ones(2, 1, 1, 128, dtype=torch.bool, device="cuda")
+        assert _sdpa_kernel_of(efficient_attention(q, k, v, attn_mask=mask)) is None
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
+        torch.backends.cuda.enable_mem_efficient_sdp(eff)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref = _reference(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), g.cpu())
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
+        _close(a.cpu(), r, torch.bfloat16, name)
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_cuda_switches_and_priority_order_untouched():
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(2, 2, 64, 64, 64, torch.bfloat16))
+    efficient_attention(q, k, v)  # torch's lazy default priority is installed by now
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        flags, order = _cur_sdpa_kernel_backends(), torch._C._get_sdp_priority_order()
+        efficient_attention(q, k, v)
+        efficient_attention(q, k, v, attn_mask=torch.ones(2, 1, 1, 64, dtype=torch.bool, device="cuda"))
+        assert _cur_sdpa_kernel_backends() == flags
+        assert torch._C._get_sdp_priority_order() == order
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_cuda_no_backward_keeps_nothing_and_matches(with_mask):
+    q, k, v = (t.cuda() for t in _qkv(2, 4, 130, 130, 64, torch.bfloat16))
+    mask = torch.ones(2, 1, 1, 130, dtype=torch.bool, device="cuda") if with_mask else None
+    if with_mask:
+        mask[1, ..., 100:] = False
+    with ActivationLedger() as led, torch.no_grad():
+        stock = efficient_attention(*_leaves(q, k, v), attn_mask=mask)
+    assert led.activation_bytes == 0
+    trained = efficient_attention(*_leaves(q, k, v), attn_mask=mask)
+    _close(stock.cpu(), trained.detach().cpu().double(), torch.bfloat16, "out")
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_cuda_compiled_matches_eager(dtype):
+    """Compiled and eager take the same path: bf16 with a mask on the efficient kernel, fp64 (no
+    fused kernel) on the reference op in both."""
+    torch._dynamo.reset()
+    q, k, v = (t.cuda() for t in _qkv(2, 2, 64, 64, 64, dtype))
+    mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device="cuda")
+    mask[1, ..., 40:] = False
+
+    def fn(q, k, v):
+        return efficient_attention(q, k, v, attn_mask=mask)
+
+    eager = fn(*_leaves(q, k, v))
+    compiled = torch.compile(fn, fullgraph=True)(*_leaves(q, k, v))
+    torch.testing.assert_close(compiled, eager, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    compiled.sum().backward()
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
 @cuda_only
 def test_cuda_fp64_falls_back_to_reference_and_logs_once(caplog):
     q, k, v = (t.cuda().requires_grad_() for t in _qkv(1, 2, 9, 9, 8, torch.float64))
@@ -546,6 +748,7 @@ def test_cuda_fp64_falls_back_to_reference_and_logs_once(caplog):
         efficient_attention(q, k, v)
     messages = [r.getMessage() for r in caplog.records if r.name == "tempo"]
     assert len(messages) == 1 and "torch.float64" in messages[0], messages
+    assert _sdpa_kernel_of(out) is None
     out.backward(g)
     ref = _reference(q.cpu(), k.cpu(), v.cpu(), g.cpu())
     for name, a, r in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):

@@ -9,16 +9,18 @@ caller's tensor, which the caller holds anyway). Backward recomputes each block 
 dP = dO Vᵀ ∘ keep/(1−p), dS = P ∘ (dP − D), dQ += scale·dS K, dK += scale·dSᵀ Q).
 
 Paths
-  * CUDA (backend "auto" or "triton"): PyTorch's fused sdpa kernels, inside
-    ``torch.nn.attention.sdpa_kernel`` with the math backend excluded: flash, then efficient, then
-    cuDNN without a mask; efficient or cuDNN with one. sdpa's own autograd keeps the same kind of
-    O(s) state (q, k, v, out, lse, philox seed/offset, the mask). When no fused kernel accepts the
-    call (fp64, an unsupported head dim, ...) the tiled reference path below runs instead and the
-    case is logged once (logger "tempo"). Under torch.compile the check is skipped and sdpa is
-    called directly, so an unsupported call fails with sdpa's own "No available kernel" error.
-    There is no Triton kernel of ours: without a measurement showing one beats PyTorch's fused
-    kernels we use those, so forcing backend "triton" selects the sdpa path on CUDA and the
-    reference path on the CPU (no error).
+  * No backward (grad mode off, or nothing among q, k, v, attn_mask requires grad: eval,
+    ``torch.no_grad()``, ``torch.inference_mode()``, frozen layers): nothing is kept, so the stock
+    ``F.scaled_dot_product_attention`` runs, same semantics (sdpa gives 0 for fully masked rows
+    too) and dropout: on the CPU as it is; on CUDA with the backends of the CUDA dispatch below
+    plus the math one (it materialises s×s scores, for the length of the call only). Whatever
+    ``use_backend`` says, as every Tempo layer. Exception: a ``seed`` with dropout keeps the
+    Tempo path, the only one that draws the mask from that seed.
+  * CUDA with a backward (backend "auto" or "triton"): PyTorch's fused sdpa kernels, chosen here
+    (next section); sdpa's own autograd keeps the same kind of O(s) state (q, k, v, out, lse,
+    philox seed/offset, the mask). There is no Triton kernel of ours: without a measurement
+    showing one beats PyTorch's fused kernels we use those, so forcing backend "triton" selects
+    the sdpa path on CUDA and the reference path on the CPU (no error).
   * Reference (the CPU, backend "reference" anywhere, the CUDA fallback): a
     ``tempo::efficient_attention_fwd`` / ``_bwd`` custom-op pair that loops over tiles of
     ``BLOCK_Q`` query rows × ``BLOCK_K`` keys, batched over (batch, heads), with an online
@@ -27,12 +29,41 @@ Paths
     s_q × s_k; for s <= 128 there is one tile. Its temporaries of size O(s·d) (fp32 copies of
     low-precision q, k, v; the gradient accumulators) are freed when it returns.
 
+CUDA dispatch (torch 2.11 to 2.13; decided in Python from the inputs' dtype, shapes and strides,
+the device and the switches, so eager and torch.compile take the same path)
+  * Offered, in this priority order (``sdpa_kernel(..., set_priority=True)``; without
+    set_priority the list is no priority, and torch 2.11 on sm90/sm100 with cuDNN > 9.15 puts
+    cuDNN first): flash (fp16/bf16, no mask, head dim <= 256), efficient (fp16/fp32, bf16 from
+    sm80, head dims multiples of 8 (16-bit) or 4 (fp32), any mask), cuDNN. cuDNN only without a
+    mask (pytorch issue 196678: NaN grad_q when s % 128 == 64 and a row's log-sum-exp is below
+    −88.7, fully padded rows included) and only when 16·p is an integer (cuDNN's dropout rate has
+    1/16 resolution and torch 2.11 does not refuse other rates: BERT's 0.1 would train at
+    another rate). The math backend never, with a backward (it keeps s×s).
+  * Each one only if the user left it on: the offer is intersected with
+    ``torch.backends.cuda.{flash,mem_efficient,cudnn}_sdp_enabled()``, which also reflect any
+    enclosing ``sdpa_kernel`` block, so ``enable_cudnn_sdp(False)`` is never undone here. The
+    caller's switches and exact priority order are restored after the call (sdpa_kernel alone
+    moves disabled backends behind ours). torch installs its default priority lazily, at the
+    first sdpa selection of the process; that is made to happen before our first block.
+  * A float ``attn_mask`` that requires grad runs the reference op (the fused efficient kernel's
+    mask gradient hits illegal memory on torch 2.11, pytorch issue 148476); so does every call
+    no offered kernel takes (fp64, head dims the kernels refuse, a head dim with stride != 1,
+    all fused backends switched off): logged once per case (logger "tempo"; under torch.compile
+    when the call is traced).
+  * The acceptance rules are torch's own, narrowed where unsure (cuDNN head dims <= 128). A call
+    they accept that torch still refuses fails in sdpa ("No available kernel") in eager and
+    compiled code alike. Under torch.compile the switches and device facts are read when the
+    call is traced, as torch's own sdpa lowering does.
+  * On flash and efficient the output is stored as (b, s_q, h, d_v) (see "Semantics"); on cuDNN
+    and math the layout is theirs.
+
 Semantics (those of ``torch.nn.functional.scaled_dot_product_attention``)
   * ``q`` (b, h, s_q, d), ``k`` (b, h, s_k, d), ``v`` (b, h, s_k, d_v); same dtype and device.
     ``scale`` defaults to 1/sqrt(d). ``is_causal``: query i attends keys j <= i (upper-left
     aligned, as sdpa); it cannot be combined with ``attn_mask``.
   * ``attn_mask`` broadcasts to (b, h, s_q, s_k): bool (True = attend) or an additive float mask
-    of any float dtype (it is cast to the inputs' dtype for the fused kernels). BERT's key-padding
+    of any float dtype (it is cast to the inputs' dtype for the fused kernels: an fp32 finfo.min
+    becomes -inf in fp16, so there a row masked only by it gives 0, not uniform). BERT's key-padding
     masks are (b, 1, 1, s_k). A row whose keys are all masked (bool False or -inf) gives output 0
     and gradient 0, never NaN. Additive ``finfo.min`` entries are numbers, as in eager and sdpa:
     a row masked only by finfo.min attends uniformly. When a key-padding mask masks nothing the
@@ -47,21 +78,23 @@ Semantics (those of ``torch.nn.functional.scaled_dot_product_attention``)
     is sdpa's own (CUDA philox) and cannot be regenerated here.
   * Autocast (custom ops are not on autocast's lists, so this function decides): fp32/fp16/bf16
     inputs are cast to the autocast dtype and the output has that dtype, as sdpa under autocast.
-  * The output is a (b, h, s_q, d_v) tensor stored as (b, s_q, h, d_v): ``out.transpose(1, 2)`` is
-    contiguous, so merging the heads for the output projection is a view, not a copy. Gradients
-    of q, k, v come back in the layout of q, k, v.
+  * With a backward, the output is a (b, h, s_q, d_v) tensor stored as (b, s_q, h, d_v):
+    ``out.transpose(1, 2)`` is contiguous, so merging the heads for the output projection is a
+    view, not a copy (flash, efficient and the reference op; cuDNN's and the stock CPU sdpa's
+    layout is theirs). Gradients of q, k, v come back in the layout of q, k, v.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+import warnings
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
-from tempo.ops._backend import check_float_tensor, check_probability, requested_backend
+from tempo.ops._backend import check_float_tensor, check_probability, needs_backward, requested_backend
 
 _OP = "efficient_attention"
 # Tile sizes of the reference path. They fix the layout of the dropout mask's random stream, so
@@ -340,45 +373,206 @@ _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
-# CUDA: PyTorch's fused kernels, never the math one.
+# CUDA: PyTorch's fused sdpa kernels, chosen here (see "CUDA dispatch" in the module docstring).
 # ----------------------------------------------------------------------------------------------
-def _fused_backends(has_mask: bool) -> list:
+class _CudaState(NamedTuple):
+    """What decides which fused kernel may run, besides the inputs themselves."""
+
+    capability: tuple[int, int]
+    flash: bool  # the user's switches (torch.backends.cuda.enable_*_sdp), narrowed by any
+    efficient: bool  # enclosing sdpa_kernel block: both set the same global flags
+    cudnn: bool
+    math: bool
+    cudnn_version: int  # 0 when cuDNN is unavailable
+    deterministic: bool  # torch.use_deterministic_algorithms(True) without warn_only
+
+
+_sdpa_priority_initialised = False
+
+
+def _initialise_sdpa_priority(device: torch.device) -> None:
+    """Make torch install its default sdpa priority order now, outside any ``sdpa_kernel`` block.
+
+    torch (2.11 to 2.13 at least) installs its default order lazily, in the first CUDA sdpa
+    selection of the process: on sm90/sm100 with cuDNN > 9.15 that is cuDNN, flash, efficient,
+    math. Were that first selection inside our ``sdpa_kernel(..., set_priority=True)``, the
+    default would overwrite our priority for that call, and restoring the order saved before it
+    would leave the process without torch's default for good. ``torch._fused_sdp_choice`` runs
+    the same selection on the host (no kernel launch, no allocation beyond the probe) and so
+    installs the default; its answer is not used. It raises when no backend takes the probe
+    (every fused backend disabled and math too, say), after the default is installed: that
+    error is expected and dropped.
+    """
+    global _sdpa_priority_initialised
+    if _sdpa_priority_initialised:
+        return
+    _sdpa_priority_initialised = True
+    probe = torch.zeros((1, 1, 1, 8), dtype=torch.float16, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the "kernel not used because" lines of a refused probe
+        try:
+            torch._fused_sdp_choice(probe, probe, probe)
+        except RuntimeError:
+            pass  # see the docstring: only the side effect was wanted
+
+
+def _device_facts(device: torch.device) -> tuple[tuple[int, int], int]:
+    """(compute capability, cuDNN version or 0) of a CUDA device."""
+    return tuple(torch.cuda.get_device_capability(device)), int(torch.backends.cudnn.version() or 0)
+
+
+@torch.compiler.assume_constant_result
+def _cuda_state(device: str) -> _CudaState:
+    """The switches and device facts the dispatch reads. Under torch.compile this runs once, when
+    the call is traced, and the graph keeps the answer (as torch's own sdpa lowering keeps the
+    backend it picked then): change a switch after compiling and the compiled graph does not see
+    it; ``torch._dynamo.reset()`` or a recompile does."""
+    dev = torch.device(device)
+    _initialise_sdpa_priority(dev)
+    capability, cudnn_version = _device_facts(dev)
+    deterministic = (torch.are_deterministic_algorithms_enabled()
+                     and not torch.is_deterministic_algorithms_warn_only_enabled())
+    return _CudaState(
+        capability=capability,
+        flash=torch.backends.cuda.flash_sdp_enabled(),
+        efficient=torch.backends.cuda.mem_efficient_sdp_enabled(),
+        cudnn=torch.backends.cuda.cudnn_sdp_enabled(),
+        math=torch.backends.cuda.math_sdp_enabled(),
+        cudnn_version=cudnn_version,
+        deterministic=deterministic,
+    )
+
+
+def _is_cuda(t: Tensor) -> bool:
+    """Whether ``t`` takes the CUDA dispatch (one place, so tests can simulate a GPU on the CPU)."""
+    return t.is_cuda
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _dense_rows(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Every fused kernel: non-empty sequences and head dims, unit stride along the head dim."""
+    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[3] == 0 or v.shape[3] == 0:
+        return False
+    return all(t.stride(-1) == 1 for t in (q, k, v))
+
+
+def _flash_takes(q: Tensor, k: Tensor, v: Tensor, has_mask: bool, is_causal: bool, grad: bool,
+                 cap: tuple[int, int]) -> bool:
+    """torch's can_use_flash_attention, conservatively, from what is known when tracing."""
+    d = q.shape[3]
+    if has_mask or q.dtype not in _HALF or not (8, 0) <= cap <= (12, 1):
+        return False
+    if v.shape[3] != d or d > 256:
+        return False
+    if grad and ((8, 6) <= cap <= (8, 9) or (12, 0) <= cap <= (12, 1)) and d > 192:
+        return False  # flash's backward on these parts refuses head dims in (192, 256]
+    return not (is_causal and q.shape[2] != k.shape[2])  # flash's causal is lower-right aligned
+
+
+def _efficient_takes(q: Tensor, v: Tensor, cap: tuple[int, int]) -> bool:
+    """torch's can_use_mem_efficient_attention, conservatively."""
+    if not (5, 0) <= cap <= (12, 1):
+        return False
+    if q.dtype not in ((torch.float16, torch.float32, torch.bfloat16) if cap >= (8, 0)
+                       else (torch.float16, torch.float32)):
+        return False
+    align = 8 if q.dtype in _HALF else 4  # its GEMMs' alignment (elements) on tensor cores
+    return q.shape[3] % align == 0 and v.shape[3] % align == 0
+
+
+def _cudnn_takes(q: Tensor, k: Tensor, v: Tensor, p: float, st: _CudaState) -> bool:
+    """torch 2.11's can_use_cudnn_attention, conservatively (head dims <= 128 everywhere)."""
+    if q.dtype not in _HALF or not (8, 0) <= st.capability <= (12, 1) or st.deterministic:
+        return False
+    if st.cudnn_version < 90000 or (p > 0.0 and 91100 < st.cudnn_version < 91400):
+        return False  # cuDNN 9.11-9.13 has no sdpa dropout
+    d_qk, d_v = q.shape[3], v.shape[3]
+    if d_qk > 128 or d_v > 128 or d_qk % 8 or d_v % 8:
+        return False
+    return k.shape[2] != 1 and not (p > 0.0 and q.shape[2] == 1)
+
+
+def _cudnn_allowed(has_mask: bool, p: float) -> bool:
+    """Our policy, whatever cuDNN would accept: no mask (pytorch issue 196678: NaN grad_q with a
+    mask when s % 128 == 64 and a row's log-sum-exp is below -88.7) and a dropout rate cuDNN can
+    represent (its rate has 1/16 resolution; torch 2.11 does not check, so p = 0.1 would run as
+    another rate)."""
+    return not has_mask and float(p) * 16.0 == math.floor(float(p) * 16.0)
+
+
+def _fused_backends(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_causal: bool,
+                    grad: bool, st: _CudaState) -> list:
+    """The fused sdpa backends to offer, in priority order: flash, efficient, cuDNN, each only when
+    the user left it enabled and it takes the call. Empty: no fused kernel for this call."""
     from torch.nn.attention import SDPBackend
 
-    if has_mask:  # flash takes no mask
-        return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    if not _dense_rows(q, k, v):
+        return []
+    has_mask = mask is not None
+    offered = []
+    if st.flash and _flash_takes(q, k, v, has_mask, is_causal, grad, st.capability):
+        offered.append(SDPBackend.FLASH_ATTENTION)
+    if st.efficient and _efficient_takes(q, v, st.capability):
+        offered.append(SDPBackend.EFFICIENT_ATTENTION)
+    if st.cudnn and _cudnn_allowed(has_mask, p) and _cudnn_takes(q, k, v, p, st):
+        offered.append(SDPBackend.CUDNN_ATTENTION)
+    return offered
 
 
-def _fused_kernel_accepts(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float,
-                          is_causal: bool) -> bool:
-    import torch.backends.cuda as cuda_backends
-
-    params = cuda_backends.SDPAParams(q, k, v, mask, p, is_causal, False)
-    checks = ["can_use_efficient_attention", "can_use_cudnn_attention"]
+def _fused_mask(mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+    """The mask as the fused kernels take it: bool, or a bias of q's dtype with unit stride along
+    the keys. (An fp32 finfo.min entry becomes -inf in fp16: see "Semantics".)"""
     if mask is None:
-        checks.insert(0, "can_use_flash_attention")
-    for name in checks:
-        check = getattr(cuda_backends, name, None)  # cuDNN's check is missing on older torch
-        if check is not None and check(params, False):
-            return True
-    return False
-
-
-def _log_fallback_once(reason: str) -> None:
-    if reason not in _logged_fallbacks:
-        _logged_fallbacks.add(reason)
-        logger.warning("%s: no fused sdpa kernel accepts %s; running Tempo's tiled reference "
-                       "attention instead (same O(s) memory, slower)", _OP, reason)
+        return None
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    if mask.shape[-1] > 1 and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    return mask
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_causal: bool,
-          scale: float) -> Tensor:
+          scale: float, backends: list) -> Tensor:
+    """sdpa with exactly ``backends`` enabled, in that priority order; the caller's switches and
+    priority order are as they were afterwards."""
     from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel(_fused_backends(mask is not None)):
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
+    if torch.compiler.is_compiling():
+        # Dynamo traces sdpa_kernel itself: the graph enables these backends around the call.
+        with sdpa_kernel(backends, set_priority=True):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
+    # sdpa_kernel(set_priority=True) restores the enabled backends but not the priority of the
+    # disabled ones (they come back after ours): put the caller's exact order back.
+    saved = torch._C._get_sdp_priority_order()
+    try:
+        with sdpa_kernel(backends, set_priority=True):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
+    finally:
+        torch._C._set_sdp_priority_order(saved)
+
+
+@torch.compiler.assume_constant_result
+def _log_fallback_once(reason: str) -> None:
+    """Log once per process that ``reason`` runs the reference op. Marked constant so that under
+    torch.compile it runs (and logs) when the call is traced, instead of breaking the graph."""
+    if reason not in _logged_fallbacks:
+        _logged_fallbacks.add(reason)
+        logger.warning("%s: %s; running Tempo's tiled reference attention instead (same O(s) memory, "
+                       "slower)", _OP, reason)
+
+
+def _no_fused_reason(q: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_causal: bool,
+                     st: _CudaState) -> str:
+    mask_kind = "none" if mask is None else f"{mask.dtype} {tuple(mask.shape)}"
+    enabled = [name for name, on in (("flash", st.flash), ("efficient", st.efficient),
+                                     ("cudnn", st.cudnn)) if on]
+    return (f"no fused sdpa kernel takes q {q.dtype} head_dim {q.shape[-1]}, v head_dim {v.shape[-1]}, "
+            f"mask {mask_kind}, dropout {p}, causal {is_causal} on sm{st.capability[0]}{st.capability[1]} "
+            f"with the fused backends enabled: {', '.join(enabled) or 'none'}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -439,9 +633,10 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p if training else 0, is_causal,
     scale)`` keeping O(s) per query row for backward (see the module docstring).
 
-    Returns (b, h, s_q, d_v) stored as (b, s_q, h, d_v). Pass ``training=self.training``.
-    ``seed`` (0-d integer tensor, reference path only) fixes the dropout mask; by default one is
-    drawn from torch's RNG.
+    Returns (b, h, s_q, d_v), stored as (b, s_q, h, d_v) when it keeps anything for backward.
+    Pass ``training=self.training``. ``seed`` (0-d integer tensor, reference path only) fixes the
+    dropout mask; by default one is drawn from torch's RNG. Without a backward the stock sdpa
+    runs and keeps nothing (see "Paths").
     """
     _check_inputs(q, k, v, attn_mask, is_causal)
     p = check_probability(dropout_p, "dropout_p", _OP)
@@ -456,24 +651,34 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
                              or seed.is_complex() or seed.numel() != 1):
         raise TypeError(f"{_OP}: argument 'seed' must be a one-element integer tensor")
 
+    # Decided on the caller's tensors, before the autocast casts below (which keep requires_grad).
+    grad = needs_backward(q, k, v, attn_mask)
+    seeded = seed is not None and p > 0.0  # a mask fixed by seed: only the reference op draws it
+
     if torch.is_autocast_enabled(q.device.type) and q.dtype in _AUTOCAST_ELIGIBLE:
         # As sdpa under autocast: attention runs in (and returns) the autocast dtype.
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
-    if q.is_cuda and requested_backend() != "reference":
-        fused_mask = attn_mask
-        if fused_mask is not None and fused_mask.dtype != torch.bool and fused_mask.dtype != q.dtype:
-            fused_mask = fused_mask.to(q.dtype)  # the fused kernels add a bias of q's dtype
-        if torch.compiler.is_compiling() or _fused_kernel_accepts(q, k, v, fused_mask, p, is_causal):
-            if seed is not None and p > 0.0:
-                raise ValueError(f"{_OP}: argument 'seed' applies to the reference path only; on CUDA the "
-                                 f"fused sdpa kernels draw dropout from torch's CUDA RNG "
-                                 f"(use use_backend('reference') to fix the mask by seed)")
-            return _sdpa(q, k, v, fused_mask, p, is_causal, scale)
-        mask_kind = "none" if attn_mask is None else f"{attn_mask.dtype} {tuple(attn_mask.shape)}"
-        _log_fallback_once(f"q {q.dtype} head_dim {q.shape[-1]}, v head_dim {v.shape[-1]}, mask {mask_kind}, "
-                           f"dropout {p > 0}, causal {is_causal}")
+    if not grad and not seeded:
+        out = _stock_attention(q, k, v, attn_mask, p, is_causal, scale)
+        if out is not None:
+            return out
+    elif _is_cuda(q) and requested_backend() != "reference":
+        st = _cuda_state(str(q.device))
+        if attn_mask is not None and attn_mask.requires_grad:
+            _log_fallback_once("a float attn_mask that requires grad gets its gradient from the reference "
+                               "op (the fused efficient kernel's mask gradient is broken on torch 2.11: "
+                               "pytorch issue 148476)")
+        else:
+            backends = _fused_backends(q, k, v, attn_mask, p, is_causal, True, st)
+            if backends:
+                if seeded:
+                    raise ValueError(f"{_OP}: argument 'seed' applies to the reference path only; on CUDA "
+                                     f"the fused sdpa kernels draw dropout from torch's CUDA RNG "
+                                     f"(use use_backend('reference') to fix the mask by seed)")
+                return _sdpa(q, k, v, _fused_mask(attn_mask, q), p, is_causal, scale, backends)
+            _log_fallback_once(_no_fused_reason(q, v, attn_mask, p, is_causal, st))
 
     if seed is None:
         seed = draw_seed(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64, device=q.device)
@@ -481,6 +686,30 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         seed = seed.to(device=q.device, dtype=torch.int64).reshape(())
     out, _ = _attention_fwd_op(q, k, v, attn_mask, seed, p, is_causal, scale)
     return out
+
+
+def _stock_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_causal: bool,
+                     scale: float) -> Optional[Tensor]:
+    """No backward will run: nothing to keep, so the stock sdpa, same semantics (fully masked
+    rows give 0 in sdpa too). On CUDA the same fused backends as with a backward (same cuDNN
+    rules), plus the math one when the user left it on (it materialises the scores, but only
+    for the length of this call). None when nothing may run (the caller runs the reference op)."""
+    if _is_cuda(q):
+        from torch.nn.attention import SDPBackend
+
+        st = _cuda_state(str(q.device))
+        backends = _fused_backends(q, k, v, mask, p, is_causal, False, st)
+        if st.math:
+            backends.append(SDPBackend.MATH)
+        if not backends:
+            _log_fallback_once(_no_fused_reason(q, v, mask, p, is_causal, st) + " and math is disabled")
+            return None
+        return _sdpa(q, k, v, _fused_mask(mask, q), p, is_causal, scale, backends)
+    # q, k, v are already in the autocast dtype; sdpa under autocast would also cast the mask, and an
+    # fp32 finfo.min would become -inf in fp16 (a fully masked row: 0 instead of uniform).
+    with torch.autocast(q.device.type, enabled=False):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
 
 
 class EfficientAttention(nn.Module):
