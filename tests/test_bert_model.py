@@ -173,8 +173,8 @@ def test_shapes_names_and_init():
     assert out.prediction_scores.shape == (3, 3, 104)
 
     base = BertModel(cfg)
-    hidden, pooled = base(ids)
-    assert hidden.shape == (3, 12, 32) and pooled.shape == (3, 32)
+    hidden, pooled, layout = base(ids)
+    assert hidden.shape == (3, 12, 32) and pooled.shape == (3, 32) and layout is None
 
     qa = BertForQuestionAnswering(cfg)
     assert not any(k.startswith("bert.pooler") for k in qa.state_dict())

@@ -11,6 +11,7 @@ BertModel -> heads -> BertForPreTraining / BertForQuestionAnswering.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -20,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tempo.bert.config import BertConfig
 from tempo.choices import TempoChoice
+from tempo.unpad import TokenLayout
 
 
 
@@ -83,12 +85,18 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = _layer_norm(config, options)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor, layout: Optional[TokenLayout] = None) -> Tensor:
+        """[B, L] ids -> [B, L, H]; with a layout, the T real tokens only -> [T, H], each at the
+        position it has in its padded row."""
         seq_len = input_ids.shape[1]
         if seq_len > self.position_embeddings.num_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.position_embeddings.num_embeddings}")
-        positions = torch.arange(seq_len, device=input_ids.device)
+        if layout is None:
+            positions = torch.arange(seq_len, device=input_ids.device)
+        else:
+            input_ids, token_type_ids = layout.unpad(input_ids), layout.unpad(token_type_ids)
+            positions = layout.positions()
         x = (self.word_embeddings(input_ids)
              + self.position_embeddings(positions)
              + self.token_type_embeddings(token_type_ids))
@@ -123,11 +131,46 @@ class BertSelfAttention(nn.Module):
         b, l, _ = x.shape
         return x.view(b, l, self.num_heads, self.head_size).transpose(1, 2)  # [B, N, L, D]
 
-    def forward(self, hidden: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def forward(self, hidden: Tensor, mask: Optional[Tensor], layout: Optional[TokenLayout] = None) -> Tensor:
+        if layout is not None:
+            return self._forward_unpadded(hidden, mask, layout)
         q = self._split_heads(self.query(hidden))
         k = self._split_heads(self.key(hidden))
         v = self._split_heads(self.value(hidden))
+        context = self._core(q, k, v, mask)
+        b, _, l, _ = context.shape
+        return context.transpose(1, 2).reshape(b, l, self.num_heads * self.head_size)
 
+    def _forward_unpadded(self, hidden: Tensor, mask: Optional[Tensor], layout: TokenLayout) -> Tensor:
+        """hidden [T, H] of the real tokens -> [T, H]; attention stays inside each sequence."""
+        t = hidden.shape[0]
+        q, k, v = (proj(hidden).view(t, self.num_heads, self.head_size) for proj in (self.query, self.key, self.value))
+        p = self.dropout_p if self.training else 0.0
+        if self.attention_impl == "efficient":
+            from tempo.ops.attention import efficient_attention_varlen  # lazy, as in the padded path
+
+            context = efficient_attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen,
+                                                 dropout_p=self.dropout_p, training=self.training)
+        elif self.attention_impl == "sdpa":
+            # Stock variable-length attention: sdpa on nested jagged tensors (CUDA: the fused
+            # flash/efficient kernels with cu_seqlens; CPU: the math path per sequence).
+            offsets = layout.cu_seqlens.long()
+            with warnings.catch_warnings():
+                # torch's CPU math path converts to its older nested layout, which warns "prototype".
+                warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors", category=UserWarning)
+                nested = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets, max_seqlen=layout.max_seqlen)
+                          .transpose(1, 2) for x in (q, k, v)]
+                context = F.scaled_dot_product_attention(*nested, dropout_p=p).transpose(1, 2).values()
+        else:
+            # Eager and the paper's Combined keep s x s scores by design: they run on the padded
+            # [B, N, L, L] block (the linear layers around them still see T tokens only).
+            padded = [self._split_heads(layout.pad(x.reshape(t, -1))) for x in (q, k, v)]
+            context = self._core(*padded, mask)
+            context = layout.unpad(context.transpose(1, 2))
+        return context.reshape(t, self.num_heads * self.head_size)
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """softmax(q kᵀ·scale + mask) -> dropout -> · v on [B, N, L, D], by options.attention."""
         if self.attention_impl == "sdpa":
             # mask None (no padding in the batch) lets sdpa pick its flash kernel on a GPU.
             context = F.scaled_dot_product_attention(
@@ -146,9 +189,7 @@ class BertSelfAttention(nn.Module):
             else:
                 probs = self.dropout(torch.softmax(scores, dim=-1))
                 context = torch.matmul(probs, v)
-
-        b, _, l, _ = context.shape
-        return context.transpose(1, 2).reshape(b, l, self.num_heads * self.head_size)
+        return context
 
 
 class _DropoutAddNorm(nn.Module):
@@ -187,8 +228,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config, options)
         self.output = BertSelfOutput(config, options)
 
-    def forward(self, hidden: Tensor, mask: Optional[Tensor]) -> Tensor:
-        return self.output(self.self(hidden, mask), hidden)
+    def forward(self, hidden: Tensor, mask: Optional[Tensor], layout: Optional[TokenLayout] = None) -> Tensor:
+        return self.output(self.self(hidden, mask, layout), hidden)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,8 +257,10 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config, options)
         self.output = BertOutput(config, options)
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
-        attended = self.attention(hidden, mask)
+    def forward(self, hidden: Tensor, mask: Optional[Tensor], layout: Optional[TokenLayout] = None) -> Tensor:
+        """[B, L, H] (mask: additive [B, 1, 1, L] or None), or the T real tokens [T, H] with their
+        layout: every part but attention works token by token."""
+        attended = self.attention(hidden, mask, layout)
         return self.output(self.intermediate(attended), attended)
 
 
@@ -229,16 +272,16 @@ class BertEncoder(nn.Module):
                                    for _ in range(config.num_hidden_layers))
         self.checkpoint_activations = checkpoint_activations
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, mask: Optional[Tensor], layout: Optional[TokenLayout] = None) -> Tensor:
         use_checkpoint = (self.checkpoint_activations and self.training
                           and torch.is_grad_enabled())
         for layer in self.layer:
             if use_checkpoint:
                 # Non-reentrant: works with in-place Tempo ops, kwargs, and restores the RNG
                 # state so dropout masks match on recompute.
-                hidden = checkpoint(layer, hidden, mask, use_reentrant=False)
+                hidden = checkpoint(layer, hidden, mask, layout, use_reentrant=False)
             else:
-                hidden = layer(hidden, mask)
+                hidden = layer(hidden, mask, layout)
         return hidden
 
 
@@ -248,16 +291,19 @@ class BertPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.activation = nn.Tanh()
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.activation(self.dense(hidden[:, 0]))
+    def forward(self, hidden: Tensor, layout: Optional[TokenLayout] = None) -> Tensor:
+        # [CLS]: position 0 of each padded row, or each sequence's first real token.
+        first = hidden[:, 0] if layout is None else hidden.index_select(0, layout.first_tokens())
+        return self.activation(self.dense(first))
 
 
 # ---------------------------------------------------------------------------------------------
 # Backbone
 # ---------------------------------------------------------------------------------------------
 class BertModelOutput(NamedTuple):
-    last_hidden_state: Tensor       # [B, L, H]
+    last_hidden_state: Tensor       # [B, L, H]; unpadded: [T, H], the real tokens (layout.pad gives [B, L, H])
     pooler_output: Optional[Tensor]  # [B, H], None without a pooler
+    layout: Optional[TokenLayout] = None  # the unpadded batch's layout, None on the padded path
 
 
 def init_bert_weights(module: nn.Module, initializer_range: float) -> None:
@@ -278,10 +324,16 @@ def init_bert_weights(module: nn.Module, initializer_range: float) -> None:
 
 
 class BertModel(nn.Module):
+    """``unpad=True``: a batch with padding runs on its T real tokens only (``tempo.unpad``):
+    embeddings, every Linear, GELU, LayerNorm and dropout see [T, H], attention stays inside each
+    sequence, and the heads read the tokens they need. Same loss and gradients as the padded path
+    (right padding; the pooler reads each sequence's first real token, position 0 there)."""
+
     def __init__(self, config: BertConfig, options: Optional[TempoChoice] = None,
-                 checkpoint_activations: bool = False, add_pooling_layer: bool = True):
+                 checkpoint_activations: bool = False, add_pooling_layer: bool = True, unpad: bool = False):
         super().__init__()
         self.config = config
+        self.unpad = unpad
         self.options = options if options is not None else TempoChoice()
         self.embeddings = BertEmbeddings(config, self.options)
         self.encoder = BertEncoder(config, self.options, checkpoint_activations)
@@ -293,16 +345,21 @@ class BertModel(nn.Module):
                 attention_mask: Optional[Tensor] = None) -> BertModelOutput:
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
+        layout = None
+        if self.unpad and attention_mask is not None:
+            layout = TokenLayout.from_mask(attention_mask)  # checks the mask; one host read
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        hidden = self.embeddings(input_ids, token_type_ids)
-        if self.options.attention in ("sdpa", "efficient") and bool(attention_mask.all()):
+        hidden = self.embeddings(input_ids, token_type_ids, layout)
+        if layout is not None and self.options.attention in ("sdpa", "efficient"):
+            mask = None  # variable-length attention needs no mask
+        elif self.options.attention in ("sdpa", "efficient") and bool(attention_mask.all()):
             mask = None  # no padding: no mask, so fused attention kernels can take the call (one host sync)
         else:
             mask = additive_attention_mask(attention_mask, _compute_dtype(hidden))
-        hidden = self.encoder(hidden, mask)
-        pooled = self.pooler(hidden) if self.pooler is not None else None
-        return BertModelOutput(hidden, pooled)
+        hidden = self.encoder(hidden, mask, layout)
+        pooled = self.pooler(hidden, layout) if self.pooler is not None else None
+        return BertModelOutput(hidden, pooled, layout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,10 +420,10 @@ class PreTrainingOutput(NamedTuple):
 
 class BertForPreTraining(nn.Module):
     def __init__(self, config: BertConfig, options: Optional[TempoChoice] = None,
-                 checkpoint_activations: bool = False):
+                 checkpoint_activations: bool = False, unpad: bool = False):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config, options, checkpoint_activations)
+        self.bert = BertModel(config, options, checkpoint_activations, unpad=unpad)
         self.cls = BertPreTrainingHeads(config, self.bert.options,
                                         self.bert.embeddings.word_embeddings.weight)
         init_bert_weights(self.cls, config.initializer_range)
@@ -377,11 +434,17 @@ class BertForPreTraining(nn.Module):
                 masked_lm_positions: Optional[Tensor] = None,
                 masked_lm_labels: Optional[Tensor] = None,
                 next_sentence_labels: Optional[Tensor] = None) -> PreTrainingOutput:
-        sequence_output, pooled_output = self.bert(input_ids, token_type_ids, attention_mask)
+        sequence_output, pooled_output, layout = self.bert(input_ids, token_type_ids, attention_mask)
         if masked_lm_positions is not None:
             # Only the ~15% masked positions go through the MLM transform and the big decoder.
-            index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, sequence_output.shape[-1])
-            sequence_output = torch.gather(sequence_output, 1, index)  # [B, P, H]
+            if layout is None:
+                index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, sequence_output.shape[-1])
+                sequence_output = torch.gather(sequence_output, 1, index)  # [B, P, H]
+            else:
+                tokens = layout.token_index(masked_lm_positions)  # [B, P] indices into the T tokens
+                sequence_output = sequence_output.index_select(0, tokens.reshape(-1)).view(*tokens.shape, -1)
+        elif layout is not None:
+            sequence_output = layout.pad(sequence_output)  # the caller asked for every position
         prediction_scores, seq_relationship_score = self.cls(sequence_output, pooled_output)
 
         mlm_loss = nsp_loss = loss = None
@@ -405,12 +468,16 @@ class QuestionAnsweringOutput(NamedTuple):
 
 
 class BertForQuestionAnswering(nn.Module):
+    """Start/end logits over the [B, L] positions. Padding positions get logit finfo.min (never an
+    answer, no share of the softmax), so padded and unpadded runs give the same loss. (DLE and HF
+    let padding positions take a share of the loss's softmax; predictions are the same.)"""
+
     def __init__(self, config: BertConfig, options: Optional[TempoChoice] = None,
-                 checkpoint_activations: bool = False):
+                 checkpoint_activations: bool = False, unpad: bool = False):
         super().__init__()
         self.config = config
         # No pooler: it would be an unused parameter set (and DDP complains about those).
-        self.bert = BertModel(config, options, checkpoint_activations, add_pooling_layer=False)
+        self.bert = BertModel(config, options, checkpoint_activations, add_pooling_layer=False, unpad=unpad)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         init_bert_weights(self.qa_outputs, config.initializer_range)
         _name_tempo_layernorms(self)
@@ -419,8 +486,13 @@ class BertForQuestionAnswering(nn.Module):
                 attention_mask: Optional[Tensor] = None,
                 start_positions: Optional[Tensor] = None,
                 end_positions: Optional[Tensor] = None) -> QuestionAnsweringOutput:
-        sequence_output = self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state
-        logits = self.qa_outputs(sequence_output)
+        sequence_output, _, layout = self.bert(input_ids, token_type_ids, attention_mask)
+        logits = self.qa_outputs(sequence_output).float()  # [B, L, 2] or [T, 2]
+        never = torch.finfo(logits.dtype).min
+        if layout is not None:
+            logits = layout.pad(logits, value=never)
+        elif attention_mask is not None:
+            logits = logits.masked_fill(~attention_mask.bool().unsqueeze(-1), never)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
 
         loss = None
