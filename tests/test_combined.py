@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from conftest import triton_blocker
 from tempo.combined import Combined, combined_softmax_dropout_matmul
 from tempo.memory import ActivationLedger
 from tempo.ops import _backend, combined
@@ -56,6 +57,11 @@ def _inputs(x_shape, v_shape, dtype, device, scale=2.0):
     x = (torch.randn(x_shape, device=device) * scale).to(dtype)
     v = torch.randn(v_shape, device=device).to(dtype)
     return x, v
+
+
+def _leaf(t):
+    """An input that requires grad: the Tempo op runs (without a backward the stock ops do)."""
+    return t.detach().clone().requires_grad_()
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -142,7 +148,7 @@ def test_no_dropout_is_softmax_matmul(backend, device, mode):
     layer = Combined(dim=-1, p=0.0 if mode == "p0" else 0.5)
     if mode == "eval":
         layer.eval()
-    out = layer(x, v)
+    out = layer(_leaf(x), v).detach()
     expected = torch.matmul(torch.softmax(x, -1), v)
     if backend == "reference":
         assert torch.equal(out, expected)
@@ -176,6 +182,7 @@ def test_seed_determinism(backend, device):
     assert not torch.equal(a, c)
     # The module draws its seed from torch's RNG: manual_seed makes it reproducible.
     layer = Combined(dim=-1, p=0.5)
+    x = _leaf(x)
     torch.manual_seed(3)
     d = layer(x, v)
     torch.manual_seed(3)
@@ -199,8 +206,8 @@ def test_additive_masks_and_fully_masked_rows(backend, device):
     ref = _reference(x, v, g, keep, 0.2)
     for got, want in zip((out, dx, dv), ref):
         _close(got, want, torch.float32)
-    row = combined_softmax_dropout_matmul(x, torch.eye(6, device=device), -1, 0.0, True)[0, 0, 1]
-    torch.testing.assert_close(row, torch.full_like(row, 1 / 6))
+    row = combined_softmax_dropout_matmul(_leaf(x), torch.eye(6, device=device), -1, 0.0, True)[0, 0, 1]
+    torch.testing.assert_close(row.detach(), torch.full_like(row, 1 / 6))
 
     # -inf mask: partial rows as torch; a fully -inf row gives probabilities 0 (torch: NaN),
     # so a zero output row and zero gradients, and no NaN anywhere.
@@ -264,9 +271,9 @@ def test_autocast_stores_softmax_in_autocast_dtype(device):
 def test_mixed_dtypes_cast_probabilities_to_v_dtype(device):
     x, v = _inputs((2, 7, 5), (2, 5, 4), torch.float32, device)
     with use_backend("reference"):
-        out = combined_softmax_dropout_matmul(x, v.double(), -1, 0.0, False)
-    assert out.dtype == torch.float64
-    torch.testing.assert_close(out, torch.softmax(x, -1).double() @ v.double())
+        out = combined_softmax_dropout_matmul(_leaf(x), v.double(), -1, 0.0, False)
+    assert out.dtype == torch.float64 and out.grad_fn is not None
+    torch.testing.assert_close(out.detach(), torch.softmax(x, -1).double() @ v.double())
 
 
 def test_empty_tensors(backend, device):
@@ -407,6 +414,8 @@ def test_compile_fullgraph(device):
         torch.testing.assert_close(xs[1].grad, xs[0].grad)
         # The module draws its seed inside the graph: still one graph, and it runs.
         layer = Combined(dim=-1, p=0.2)
+        assert torch.compile(layer, fullgraph=True)(_leaf(x), v).shape == (2, 3, 7, 4)
+        # Without a backward: the stock ops, one graph too.
         assert torch.compile(layer, fullgraph=True)(x, v).shape == (2, 3, 7, 4)
 
 
@@ -442,3 +451,127 @@ def test_import_paths_and_repr():
 
     assert tempo.Combined is Combined
     assert repr(Combined(-1, 0.1)) == "Combined(dim=-1, p=0.1)"
+
+
+# ----------------------------------------------------------------------------------------
+# No backward: the stock ops, nothing kept
+# ----------------------------------------------------------------------------------------
+def _scores_with_masked_rows(device, dtype):
+    x = torch.randn(2, 2, 5, 9, device=device) * 3
+    x[..., 7:] = float("-inf")  # masked keys
+    x[0, 0, 1] = float("-inf")  # a row all -inf: probabilities 0 (torch.softmax gives NaN)
+    x[0, 1, 2] = torch.finfo(torch.float32).min  # all finfo.min: uniform, as torch
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen", "eval"])
+def test_no_backward_runs_the_stock_ops_and_keeps_nothing(backend, device, dtype, mode, monkeypatch):
+    _skip_unsupported(backend, dtype)
+    x = _scores_with_masked_rows(device, dtype)
+    v = torch.randn(2, 2, 9, 4, device=device).to(dtype)
+    stock_calls = []
+    real = combined._stock_combined
+    monkeypatch.setattr(combined, "_stock_combined", lambda *a: stock_calls.append(1) or real(*a))
+    layer = Combined(dim=-1, p=0.0)
+    with ActivationLedger() as ledger:
+        if mode == "no_grad":
+            with torch.no_grad():
+                out = layer(_leaf(x), _leaf(v))
+        elif mode == "inference_mode":
+            with torch.inference_mode():
+                out = layer(x, v)
+        elif mode == "frozen":
+            out = layer(x, v)
+        else:
+            out = Combined(dim=-1, p=0.5).eval()(x, v)
+    assert stock_calls == [1] and ledger.records == [] and out.grad_fn is None
+    tempo = layer(_leaf(x), v)  # the Tempo op: same values within the dtype's rounding
+    assert stock_calls == [1] and tempo.grad_fn is not None
+    assert out.dtype == tempo.dtype == dtype
+    _close(out, tempo.detach().double(), dtype)
+    assert torch.equal(out[0, 0, 1], torch.zeros(4, dtype=dtype, device=device))
+    assert torch.isfinite(out).all()
+
+
+def test_no_backward_under_autocast_and_mixed_dtypes(device):
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        stock = combined_softmax_dropout_matmul(x, v.bfloat16(), -1, 0.0, True)
+        tempo = combined_softmax_dropout_matmul(_leaf(x), v, -1, 0.0, True)
+    assert stock.dtype == tempo.dtype == torch.bfloat16
+    _close(stock, tempo.detach().double(), torch.bfloat16)
+    # fp32 scores against an fp64 v: the probabilities meet v in fp64, as in the op.
+    out = combined_softmax_dropout_matmul(x, v.double(), -1, 0.0, True)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.softmax(x, -1).double() @ v.double())
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_no_backward_dropout_rate_and_scale(device, p):
+    x = torch.randn(64, 128, device=device)
+    out = combined_softmax_dropout_matmul(x, torch.eye(128, device=device), -1, p, True)
+    kept = out != 0
+    rate = kept.float().mean().item()
+    assert abs(rate - (1 - p)) < 3 * math.sqrt(p * (1 - p) / kept.numel()), rate
+    torch.testing.assert_close(out[kept], (torch.softmax(x, -1) / (1 - p))[kept])
+
+
+def test_no_backward_with_a_seed_keeps_the_seeded_op(backend, device):
+    x, v = _inputs((2, 3, 7, 5), (2, 3, 5, 4), torch.float32, device)
+    seed = torch.tensor(41, device=device)
+    frozen = combined_softmax_dropout_matmul(x, v, -1, 0.5, True, seed)
+    trained = combined_softmax_dropout_matmul(_leaf(x), v, -1, 0.5, True, seed)
+    assert torch.equal(frozen, trained.detach())
+
+
+# ----------------------------------------------------------------------------------------
+# Launches and dropout streams
+# ----------------------------------------------------------------------------------------
+def test_every_triton_launch_runs_under_launch_on(device, monkeypatch):
+    """Each Triton launch of this op happens inside launch_on (on CUDA: on its tensor's device):
+    forward, the regenerated dropout output and mask, both backward layouts."""
+    blocked = triton_blocker(device)
+    if blocked is not None:
+        (pytest.fail if blocked[0] == "fail" else pytest.skip)(blocked[1])
+    from tempo.ops._backend import in_launch_guard, triton_interpreting
+
+    if triton_interpreting() and device == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction as launcher
+    else:
+        from triton.runtime.jit import JITFunction as launcher
+    launches = []
+    original = launcher.run
+
+    def run(kernel, *args, **kwargs):
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+        on_device = device == "cpu" or torch.cuda.current_device() == torch.device(device).index
+        launches.append((name, in_launch_guard() and on_device))
+        return original(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(launcher, "run", run)
+    with use_backend("triton"):
+        x, v = _inputs((2, 3, 4, 6), (2, 3, 6, 2), torch.float32, device)
+        combined_softmax_dropout_matmul(_leaf(x), _leaf(v), -1, 0.3, True).sum().backward()
+        x2, v2 = _inputs((2, 3, 4, 6), (3, 6, 2), torch.float32, device)  # v broadcast: whole-tensor backward
+        combined_softmax_dropout_matmul(_leaf(x2), _leaf(v2), -1, 0.3, True).sum().backward()
+        dropout_keep_mask(torch.tensor(3, device=device), (4, 6), 0.3, device, "triton")
+    names = {n for n, _ in launches}
+    assert {"_softmax_dropout_fwd_kernel", "_dropout_from_seed_kernel", "_softmax_dropout_bwd_kernel"} <= names, names
+    assert all(ok for _, ok in launches), launches
+
+
+def _correlation(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def test_neighbouring_seeds_and_rows_draw_independent_masks(backend, device):
+    shape, p = (8, 4, 64), 0.5
+    keep = [dropout_keep_mask(torch.tensor(s, device=device), shape, p, device, backend).cpu() for s in (1000, 1001)]
+    n = keep[0].numel()
+    bound = 5 / math.sqrt(n / 2)  # 5 sigma of a correlation over n/2 pairs
+    assert abs(_correlation(keep[0], keep[1])) < bound
+    assert abs(_correlation(keep[0][0::2], keep[0][1::2])) < bound  # neighbouring rows
+    assert abs(_correlation(keep[0][..., 0::2], keep[0][..., 1::2])) < bound  # neighbouring columns

@@ -30,7 +30,13 @@ Semantics
   * Masks: additive ``torch.finfo(dtype).min`` masks behave as in torch (a fully masked row
     becomes uniform). A row that is entirely ``-inf`` gives probabilities 0 (torch gives NaN),
     so its output row and its gradients are 0. NaN in a row still gives a NaN row.
-  * Inputs are made contiguous (with ``dim`` moved last) at the kernel boundary.
+  * Inputs are made contiguous (with ``dim`` moved last) at the kernel boundary. Every Triton
+    launch runs inside ``launch_on`` (on the device and current stream of its tensors).
+  * No backward (grad mode off, or neither ``x`` nor ``v`` requires grad: eval of a frozen
+    model, ``torch.no_grad()``, ``torch.inference_mode()``): nothing is kept, so the stock ops
+    run, ``matmul(dropout(aten._safe_softmax(x, dim)), v)``, same semantics (a row all -inf gives
+    0) and dtypes, whatever ``use_backend`` says. A ``seed`` with dropout keeps this op, the only
+    one that draws the mask from that seed.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ from tempo.ops._backend import (
     autocast_dtype_for,
     check_float_tensor,
     check_probability,
+    launch_on,
     log_fallback_once,
+    needs_backward,
     resolve_backend,
 )
 
@@ -230,8 +238,9 @@ def _triton_forward(xm: Tensor, s_dtype: torch.dtype, d_dtype: torch.dtype, seed
     if rows:
         long, block, num_warps = _row_config(n_cols)
         kernel = _softmax_dropout_fwd_long_kernel if long else _softmax_dropout_fwd_kernel
-        kernel[(rows,)](xm, s, d, seed, n_cols, p, 1.0 / (1.0 - p),
-                        HAS_DROPOUT=dropout, WRITE_D=write_d, BLOCK=block, num_warps=num_warps)
+        with launch_on(xm):
+            kernel[(rows,)](xm, s, d, seed, n_cols, p, 1.0 / (1.0 - p),
+                            HAS_DROPOUT=dropout, WRITE_D=write_d, BLOCK=block, num_warps=num_warps)
     return s, d
 
 
@@ -239,9 +248,10 @@ def _launch_dropout_from_seed(s: Tensor, out: Tensor, seed: Tensor, p: float, wr
                               rng_base: int = 0) -> None:
     n = out.numel()
     if n:
-        _dropout_from_seed_kernel[(triton.cdiv(n, _FLAT_BLOCK),)](
-            s, out, seed, n, rng_base, p, 1.0 / (1.0 - p),
-            WRITE_MASK=write_mask, BLOCK=_FLAT_BLOCK, num_warps=4)
+        with launch_on(out):
+            _dropout_from_seed_kernel[(triton.cdiv(n, _FLAT_BLOCK),)](
+                s, out, seed, n, rng_base, p, 1.0 / (1.0 - p),
+                WRITE_MASK=write_mask, BLOCK=_FLAT_BLOCK, num_warps=4)
 
 
 def _triton_dropout_output(s: Tensor, out_dtype: torch.dtype, seed: Tensor, p: float, rng_base: int = 0) -> Tensor:
@@ -267,8 +277,9 @@ def _triton_softmax_dropout_backward(dd: Tensor, s: Tensor, dx: Tensor, seed: Te
     if rows:
         long, block, num_warps = _row_config(n_cols)
         kernel = _softmax_dropout_bwd_long_kernel if long else _softmax_dropout_bwd_kernel
-        kernel[(rows,)](dd, s, dx, seed, n_cols, rng_base, p, 1.0 / (1.0 - p),
-                        HAS_DROPOUT=dropout, BLOCK=block, num_warps=num_warps)
+        with launch_on(s):
+            kernel[(rows,)](dd, s, dx, seed, n_cols, rng_base, p, 1.0 / (1.0 - p),
+                            HAS_DROPOUT=dropout, BLOCK=block, num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------------------
@@ -537,6 +548,8 @@ def combined_softmax_dropout_matmul(x: Tensor, v: Tensor, dim: int = -1, p: floa
     dim = _normalize_dim(dim, x.dim())
     training = bool(training)
     dropout = training and p > 0.0
+    # A seed with dropout keeps this op: the stock dropout would not draw the mask from it.
+    stock = not needs_backward(x, v) and not (seed is not None and dropout)
     if seed is None:
         seed = draw_seed(x.device) if dropout else torch.zeros((), dtype=torch.int64, device=x.device)
     else:
@@ -551,8 +564,20 @@ def combined_softmax_dropout_matmul(x: Tensor, v: Tensor, dim: int = -1, p: floa
         s_dtype = autocast_dtype
         if v.dtype in TRITON_DTYPES:
             v = v.to(autocast_dtype)
+    if stock:
+        return _stock_combined(x, v, dim, p, training)
     out, _ = _combined_fwd_op(x, v, seed, p, dim, training, s_dtype, resolve_combined_backend(x, dim))
     return out
+
+
+def _stock_combined(x: Tensor, v: Tensor, dim: int, p: float, training: bool) -> Tensor:
+    """No backward will run: nothing to keep, so ``matmul(dropout(softmax(x)), v)`` with the stock
+    ops, same semantics and dtypes as the op (``v`` already in the autocast dtype): a row that is
+    all -inf gives probabilities 0 (aten._safe_softmax), the probabilities meet ``v`` in its dtype.
+    Autocast is off so that a matmul with an fp64 ``v`` stays as the op computes it."""
+    with torch.autocast(x.device.type, enabled=False):
+        probs = torch.nn.functional.dropout(torch.ops.aten._safe_softmax(x, dim), p, training)
+        return torch.matmul(probs.to(v.dtype), v)
 
 
 class Combined(nn.Module):
