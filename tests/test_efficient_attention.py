@@ -263,6 +263,53 @@ def test_keep_mask_statistics():
             assert abs(tile.float().mean().item() - (1 - p)) < 6 * math.sqrt(p * (1 - p) / tile.numel())
 
 
+def _correlation(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def _worst_stream_correlation(seed=1234, p=0.5):
+    """Largest |correlation| between keep masks that must be independent: tiles (i, j) and
+    (j, i), tiles sharing a row or a column of tiles, heads, batches, neighbouring seeds."""
+    shape = (2, 2, 2 * BLOCK_Q, 2 * BLOCK_K)  # 2 x 2 tiles of (2, 2, 128, 128)
+    keep = attention_keep_mask(torch.tensor(seed), shape, p)
+    tile = {(i, j): keep[:, :, i * BLOCK_Q:(i + 1) * BLOCK_Q, j * BLOCK_K:(j + 1) * BLOCK_K]
+            for i in range(2) for j in range(2)}
+    pairs = [(tile[0, 1], tile[1, 0]), (tile[0, 0], tile[1, 1]), (tile[0, 1], tile[1, 1]),
+             (tile[1, 0], tile[1, 1]), (tile[0, 0], tile[0, 1]), (tile[0, 0], tile[1, 0]),
+             (keep[:, 0], keep[:, 1]), (keep[0], keep[1])]
+    for next_seed in (seed + 1, seed + 2, seed ^ (1 << 31)):
+        pairs.append((keep, attention_keep_mask(torch.tensor(next_seed), shape, p)))
+    return max(abs(_correlation(a, b)) for a, b in pairs), min(a.numel() for a, _ in pairs)
+
+
+def test_dropout_tiles_heads_batches_and_seeds_are_independent():
+    worst, n = _worst_stream_correlation()
+    assert worst < 5 / math.sqrt(n), worst  # 5 sigma of a correlation of n independent pairs
+
+
+_REAL_TILE_SEED = attn_mod._tile_seed
+_REAL_UNIFORM_TILE = attn_mod._uniform_tile
+STREAM_MUTANTS = {
+    "symmetric in (i, j)": ("_tile_seed", lambda seed, qi, ki: _REAL_TILE_SEED(seed, min(qi, ki), max(qi, ki))),
+    "ignores the query tile": ("_tile_seed", lambda seed, qi, ki: _REAL_TILE_SEED(seed, 0, ki)),
+    "ignores the key tile": ("_tile_seed", lambda seed, qi, ki: _REAL_TILE_SEED(seed, qi, 0)),
+    "ignores the seed's low bit": ("_tile_seed", lambda seed, qi, ki: _REAL_TILE_SEED(seed >> 1, qi, ki)),
+    "one tile for every head": ("_uniform_tile", lambda gen, seed, qi, ki, shape, device: _REAL_UNIFORM_TILE(
+        gen, seed, qi, ki, (1, 1) + tuple(shape[2:]), device).expand(shape)),
+}
+
+
+@pytest.mark.parametrize("mutant", list(STREAM_MUTANTS))
+def test_the_independence_check_catches_a_broken_stream(monkeypatch, mutant):
+    """The check above fails for each way the tile streams could collide."""
+    name, fn = STREAM_MUTANTS[mutant]
+    monkeypatch.setattr(attn_mod, name, fn)
+    worst, _ = _worst_stream_correlation()
+    assert worst > 0.99, (mutant, worst)
+
+
 def test_forward_applies_exactly_the_regenerated_mask():
     """q = 0 makes the softmax uniform; v = I then reads the applied mask off the output."""
     b, h, s = 2, 3, 140
