@@ -8,6 +8,7 @@
   profile    torch.profiler over a few train steps: GEMM vs memory-bound share, top kernels
   report     PNG plots and a markdown table from a results directory
   gpu-suite  everything a GPU must confirm, one command (tests, ops, layer, train, max-batch, SQuAD)
+  compare    model variants (Tempo choices, unpadded) timed alternately in one process: train or predict
 
 Exit status: 0 ok, 1 bad configuration (or no GPU for gpu-suite), 2 a max-batch probe failed for
 another reason than memory, 3 out of memory (real, or simulated by --memory-budget), 4 a
@@ -31,6 +32,7 @@ SUBCOMMANDS = {
     "profile": ("tempo.bench.profile", "torch.profiler over train steps"),
     "report": ("tempo.bench.report", "plots and markdown from a results directory"),
     "gpu-suite": ("tempo.bench.gpu_suite", "the whole GPU check, results/<gpu>/<time>/summary.md"),
+    "compare": ("tempo.bench.compare", "model variants timed alternately in one process"),
 }
 
 
