@@ -74,6 +74,32 @@ def _match(name: str) -> tuple[str, dict[str, float]] | None:
     return None
 
 
+def bench_device(text: str | None) -> torch.device:
+    """The device a benchmark's ``--device`` names, with its CUDA index filled in.
+
+    None: the current GPU when CUDA is visible, else the CPU. Raises ValueError (the message
+    names ``--device``) for what is no device, a type other than cpu/cuda, CUDA without a GPU,
+    and an index past the GPUs this process sees."""
+    from tempo.bench.timing import resolve_device
+
+    if text is None:
+        return resolve_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device {text!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {text!r}: must be cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: no CUDA GPU visible")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {text}: this process sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1} "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return resolve_device(device)
+
+
 def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
@@ -119,8 +145,9 @@ def measure_copy_bandwidth(device: torch.device | str, nbytes: int = 256 << 20, 
     This is the practical ceiling a memory-bound kernel can reach (a bit under the datasheet's
     HBM figure); the ops benchmark quotes its kernels against it.
     """
-    from tempo.bench.timing import time_fn
+    from tempo.bench.timing import resolve_device, time_fn
 
+    device = resolve_device(device)  # the buffers and the timing on the same GPU
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     times_ms = time_fn(lambda: dst.copy_(src), device, warmup=2, repeats=repeats)
@@ -140,7 +167,9 @@ def _nvidia_driver() -> str | None:
 
 def environment(device: torch.device | str) -> dict[str, Any]:
     """Everything a result needs to be compared later: hardware, driver, library versions."""
-    device = torch.device(device)
+    from tempo.bench.timing import resolve_device
+
+    device = resolve_device(device)  # "cuda" recorded as the GPU it meant, "cuda:N"
     try:
         import triton
 

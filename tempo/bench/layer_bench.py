@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from tempo.choices import TempoChoice
-from tempo.bench.timing import spread, time_fn
+from tempo.bench.timing import on_device, spread, time_fn
 
 SHAPES = {"substation": [(8, 512), (96, 128)], "tiny": [(2, 32)]}
 VARIANTS = ("original", "tempo", "sdpa", "tempo-sdpa", "tempo-floor", "compiled", "hf-eager", "hf-sdpa")
@@ -144,22 +144,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tempo.bench.hardware import environment
-    from tempo.bench.results import write_json
     from tempo.bench.common import BenchError, resolve_our_config
+    from tempo.bench.hardware import bench_device, environment
+    from tempo.bench.results import write_json
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shapes = args.shape or SHAPES[args.shapes or "substation"]
     config_name = args.config or ("bert_tiny" if args.shapes == "tiny" else "bert_large")
     config = resolve_our_config(config_name)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
     try:
-        device_type = torch.device(device).type  # "cuda:0" is CUDA too
-    except RuntimeError:
-        raise BenchError(f"--device {device!r} is not a torch device") from None
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise BenchError(f"--device {device}: no CUDA GPU visible")
-    if dtype == torch.float16 and device_type == "cpu":
+        device = bench_device(args.device)  # "cuda" becomes the current GPU's "cuda:N"
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    if dtype == torch.float16 and device.type == "cpu":
         raise BenchError("--precision fp16 needs a CUDA GPU")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -170,8 +167,11 @@ def main(args: argparse.Namespace) -> int:
     for batch, seq in shapes:
         for variant in variants:
             try:
-                row = bench_variant(variant, config, batch, seq, device, dtype, modes, args.warmup, args.repeats,
-                                    f"{config_name}.json")
+                # With the benchmark's GPU current: the layer, its inputs, the Tempo launches and
+                # the timing events on one device (tempo.bench.timing.on_device).
+                with on_device(device):
+                    row = bench_variant(variant, config, batch, seq, str(device), dtype, modes, args.warmup,
+                                        args.repeats, f"{config_name}.json")
                 row["status"] = "ok"
             except torch.OutOfMemoryError:
                 row = {"variant": variant, "batch": batch, "seq_len": seq, "status": "oom"}

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tempo.bench.timing import spread, time_fn
+from tempo.bench.timing import on_device, spread, time_fn
 
 SHAPES = {"bert-large": dict(batch=8, seq=512, hidden=1024, intermediate=4096, heads=16, head_dim=64),
           "tiny": dict(batch=2, seq=32, hidden=64, intermediate=256, heads=2, head_dim=32)}
@@ -186,17 +186,13 @@ def _bytes_arg(text: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tempo.bench.hardware import environment, l2_cache_bytes, measure_copy_bandwidth
-    from tempo.bench.results import write_json
     from tempo.bench.common import BenchError
+    from tempo.bench.hardware import bench_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        on_cuda = torch.device(device).type == "cuda"  # "cuda:0" is CUDA too
-    except RuntimeError:
-        raise BenchError(f"--device {device!r} is not a torch device") from None
-    if on_cuda and not torch.cuda.is_available():
-        raise BenchError(f"--device {device}: no CUDA GPU visible")
+        device = bench_device(args.device)  # "cuda" becomes the current GPU's "cuda:N"
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -204,6 +200,19 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         raise BenchError(f"unknown ops/modes {sorted(bad)}")
     impls = [i for i in IMPLS if not (args.no_compile and i == "compiled")]
+    # Everything below runs with the benchmark's GPU current (tempo.bench.timing.on_device): the
+    # modules, inputs, torch.compile's kernels and the timing events all on that device.
+    with on_device(device):
+        return _run(args, device, ops, modes, impls, dtype)
+
+
+def _run(args: argparse.Namespace, device: torch.device, ops: list[str], modes: tuple[str, ...],
+         impls: list[str], dtype: torch.dtype) -> int:
+    from tempo.bench.common import BenchError
+    from tempo.bench.hardware import environment, l2_cache_bytes, measure_copy_bandwidth
+    from tempo.bench.results import write_json
+
+    on_cuda = device.type == "cuda"
     shape = SHAPES[args.shapes]
     l2 = l2_cache_bytes(device)
     if args.min_input_bytes is not None:
@@ -229,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
               f"{op_copy_gbps:.1f} GB/s", flush=True)
         for impl in impls:
             try:
-                row = bench_op(op, impl, op_shape, dtype, device, modes, args.warmup, args.repeats)
+                row = bench_op(op, impl, op_shape, dtype, str(device), modes, args.warmup, args.repeats)
                 row["status"] = "ok"
                 for mode in modes:
                     row[mode]["of_copy_bandwidth"] = row[mode]["gb_per_s"] / op_copy_gbps
