@@ -29,6 +29,32 @@ def device(request):
     return request.param
 
 
+def _names_cuda(value: object) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value == "cuda" or value.startswith("cuda:")
+    if isinstance(value, (tuple, list)):
+        return any(_names_cuda(v) for v in value)
+    return False
+
+
+def touches_cuda(item: pytest.Item) -> bool:
+    """True for a test case parametrized on a CUDA device (the ``device`` fixture's "cuda" case,
+    or any parameter naming "cuda"/"cuda:N"/torch.device("cuda"))."""
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(_names_cuda(v) for v in callspec.params.values())
+
+
+def pytest_collection_modifyitems(config, items):
+    # The GPU suite selects its tests with -m gpu: the CUDA cases of the CPU test files belong
+    # there as much as tests/test_gpu.py does, so they carry the marker too (collected only
+    # where CUDA is visible, like the "cuda" parameter itself).
+    for item in items:
+        if item.get_closest_marker("gpu") is None and touches_cuda(item):
+            item.add_marker(pytest.mark.gpu)
+
+
 def triton_blocker(device: str):
     """Why the Triton case cannot run on ``device`` here: ("fail" | "skip", reason), or None.
 

@@ -20,10 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 no_cuda_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA behaviour")
 
 
-def _dry_run(capsys, *extra):
+def _dry_run(capsys, *extra, budget=None):
+    """The dry run's header line and its stage rows; ``budget`` (a list) gets the '#' lines after them."""
     assert bench_main(["gpu-suite", "--dry-run", *extra]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    return lines[0], [line.split("\t") for line in lines[1:]]
+    if budget is not None:
+        budget.extend(line for line in lines[1:] if line.startswith("#"))
+    return lines[0], [line.split("\t") for line in lines[1:] if not line.startswith("#")]
 
 
 def test_dry_run_prints_every_stage_command(capsys, tmp_path):
@@ -39,7 +42,7 @@ def test_dry_run_prints_every_stage_command(capsys, tmp_path):
     commands = {r[0]: shlex.split(r[2]) for r in rows}
     assert all(float(r[1]) > 0 for r in rows)
     assert commands["gpu-tests"][1:5] == ["-m", "pytest", "-m", "gpu"]
-    assert "--junitxml" in commands["gpu-tests"]
+    assert "--junitxml" in commands["gpu-tests"] and "--timeout" in commands["gpu-tests"]
     assert commands["ops"][3] == "ops" and commands["layer"][3] == "layer"
     assert {"hf-eager", "hf-sdpa"} <= set(commands["layer"][commands["layer"].index("--variants") + 1].split(","))
     sdpa = commands["train-s512-tempo-sdpa"]
@@ -60,6 +63,57 @@ def test_dry_run_prints_every_stage_command(capsys, tmp_path):
 def test_dry_run_selects_stages_by_prefix(capsys):
     _, rows = _dry_run(capsys, "--stages", "maxbatch-s512,ops")
     assert [r[0] for r in rows] == ["ops", "maxbatch-s512-original", "maxbatch-s512-tempo", "maxbatch-s512-tempo-sdpa"]
+
+
+def test_stage_limits_add_up_within_the_budget(capsys):
+    """Every stage's limit counted: the default time limit is their sum, each part fits a 10-minute
+    command, and the dry run prints the parts, the total and the time limit."""
+    stages = gpu_suite.build_stages(Path("/tmp/x"), "cpu")
+    assert sum(s.timeout_s for s in stages) == gpu_suite.DEFAULT_TIME_LIMIT_S <= 25 * 60
+    for part in gpu_suite.PARTS:
+        assert 0 < sum(s.timeout_s for s in stages if s.part == part) <= gpu_suite.PART_LIMIT_S < 600, part
+    assert gpu_suite.stages_past_the_limit(stages, gpu_suite.DEFAULT_TIME_LIMIT_S) == []
+    budget = []
+    header, rows = _dry_run(capsys, budget=budget)
+    assert f"time limit {gpu_suite.DEFAULT_TIME_LIMIT_S} s" in header
+    assert sum(float(r[1]) for r in rows) == gpu_suite.DEFAULT_TIME_LIMIT_S
+    assert budget == ["# part 1 (tests): 1 stage, limits add up to 540 s",
+                      "# part 2 (benchmarks): 9 stages, limits add up to 510 s",
+                      "# part 3 (max-batch): 6 stages, limits add up to 450 s",
+                      f"# total: {gpu_suite.DEFAULT_TIME_LIMIT_S} s of stage limits, time limit "
+                      f"{gpu_suite.DEFAULT_TIME_LIMIT_S} s"]
+
+
+def test_parts_and_an_over_budget_selection_are_named(capsys):
+    budget = []
+    header, rows = _dry_run(capsys, "--part", "benchmarks,3", "--time-limit", "900", budget=budget)
+    assert [r[0] for r in rows][:2] == ["ops", "layer"] and rows[-1][0] == "maxbatch-s512-tempo-sdpa"
+    assert "gpu-tests" not in [r[0] for r in rows] and "time limit 900 s" in header
+    # 510 s of benchmarks, then 75 s per search: the sixth would end at 960 s
+    assert budget[-1] == ("# over budget: if every stage used its limit, these would be cut short or not run: "
+                          "maxbatch-s512-tempo-sdpa")
+    _, rows = _dry_run(capsys, "--part", "1")
+    assert [r[0] for r in rows] == ["gpu-tests"]
+    with pytest.raises(SystemExit) as exit_info:  # argparse: no such part
+        bench_main(["gpu-suite", "--dry-run", "--part", "4"])
+    assert exit_info.value.code == 2
+    assert "no part '4'; parts: 1 (tests), 2 (benchmarks), 3 (max-batch)" in capsys.readouterr().err
+
+
+def test_cuda_cases_of_cpu_test_files_are_in_the_gpu_selection(tmp_path):
+    """Collected as on a CUDA machine (torch.cuda.is_available patched), `-m gpu` takes the "cuda"
+    cases of the device-parametrized tests and leaves their "cpu" cases out."""
+    code = ("import sys, torch; torch.cuda.is_available = lambda: True; import pytest; "
+            "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', '-m', 'gpu', "
+            "'tests/test_launch_guard.py', 'tests/test_gelu.py']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    selected = [line for line in result.stdout.splitlines() if "::" in line]
+    assert "tests/test_launch_guard.py::test_every_triton_launch_runs_inside_launch_on[cuda]" in selected
+    assert not any("[cpu" in line or "-cpu" in line for line in selected), selected
+    gelu = [line for line in selected if line.startswith("tests/test_gelu.py::")]
+    assert len(gelu) > 50 and all("cuda" in line for line in gelu if "[" in line and "gpu" not in line), gelu
 
 
 def test_unknown_stage_is_one_error_line(capsys):
@@ -155,6 +209,23 @@ def _alive(pid):
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def test_a_second_part_into_the_same_folder_keeps_the_first_parts_records(tmp_path):
+    first = [gpu_suite.Stage("a", _py("print('part one')"), timeout_s=60, part=1)]
+    second = [gpu_suite.Stage("b", _py("import sys; sys.exit(5)"), timeout_s=60, part=2)]
+    order = ["a", "b", "c"]
+    gpu_suite.run_suite(first, tmp_path, 60, header={"command": "run one", "env": {}}, cwd=tmp_path, order=order)
+    carried, commands = gpu_suite.earlier_run(tmp_path)
+    assert [r.name for r in carried] == ["a"] and commands == ["run one"]
+    gpu_suite.run_suite(second, tmp_path, 60, header={"command": "run two", "env": {}, "earlier_commands": commands},
+                        cwd=tmp_path, carried=carried, order=order)
+    suite = json.loads((tmp_path / "suite.json").read_text())
+    assert [(s["name"], s["status"]) for s in suite["stages"]] == [("a", "ok"), ("b", "failed")]
+    assert suite["earlier_commands"] == ["run one"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "earlier run into this folder: `run one`" in summary and "stages: 1 of 2 ok" in summary
+    assert "| a | ok |" in summary and "**b**: failed (exit 5)" in summary
 
 
 def test_time_limit_leaves_later_stages_not_run_and_a_summary(tmp_path, monkeypatch):

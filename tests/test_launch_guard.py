@@ -213,14 +213,19 @@ def test_plain_cuda_means_the_current_gpu(monkeypatch):
     assert cuda.recorded_on == [1, 1]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("cuda:2", "--device cuda:2: this process sees 2 CUDA GPU(s), cuda:0 to cuda:1"),
-    ("mps", "--device 'mps': must be cpu, cuda or cuda:N"),
-    ("gpu", "--device 'gpu' is not a torch device"),
-])
-def test_bench_device_names_what_is_wrong(monkeypatch, text, message):
+# Keyed by case name: a "cuda:2" parameter would put this CPU test into the GPU suite (conftest).
+BAD_DEVICES = {
+    "index-past-the-last": ("cuda:2", "--device cuda:2: this process sees 2 CUDA GPU(s), cuda:0 to cuda:1"),
+    "other-type": ("mps", "--device 'mps': must be cpu, cuda or cuda:N"),
+    "not-a-device": ("gpu", "--device 'gpu' is not a torch device"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DEVICES))
+def test_bench_device_names_what_is_wrong(monkeypatch, case):
     from tempo.bench.hardware import bench_device
 
+    text, message = BAD_DEVICES[case]
     _StandInCuda(devices=2).install(monkeypatch)
     with pytest.raises(ValueError) as info:
         bench_device(text)

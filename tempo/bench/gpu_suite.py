@@ -1,11 +1,19 @@
 """``python -m tempo.bench gpu-suite`` (= ``scripts/gpu_check.sh``): what the GPU has to confirm, in one run.
 
 Stages, in this order, each a fresh subprocess with its own time limit (so an out-of-memory probe or
-a crashed kernel never affects a later stage); its output goes to logs/<stage>.log:
+a crashed kernel never affects a later stage); its output goes to logs/<stage>.log. They come in
+three parts (``--part``), each of whose limits add up to at most 9.5 minutes, so that a part fits
+one command on a machine that allows 10 minutes per command:
 
-  gpu-tests        pytest -m gpu tests: each Tempo layer's Triton kernels against fp64 at BERT-large
-                   shapes in fp32/fp16/bf16, efficient attention and sdpa with padding masks at s=192
-                   and 320, the Triton path under torch.compile, BERT-large with Tempo training on CUDA
+  part 1, tests
+  gpu-tests        pytest -m gpu: every test that runs on CUDA. tests/test_gpu.py (each Tempo
+                   layer's Triton kernels against fp64 at BERT-large shapes in fp32/fp16/bf16,
+                   efficient attention and sdpa with padding masks, the Triton path under
+                   torch.compile, BERT-large with Tempo training on CUDA), the attention tests
+                   marked gpu, and the CUDA cases of the CPU test files (the ``device`` fixture's
+                   "cuda" case and any parameter naming "cuda": tests/conftest.py marks them gpu;
+                   about 530 tests). Each test is stopped after 120 s (pytest-timeout).
+  part 2, benchmarks
   ops              bench ops: each Tempo op on inputs larger than 2x L2, GB/s against a device copy
                    of the same size
   layer            bench layer: one BERT-large layer fwd+bwd at b8 s512 and b96 s128, ours (original,
@@ -14,19 +22,26 @@ a crashed kernel never affects a later stage); its output goes to logs/<stage>.l
                    S in 128/512, V in original / tempo / tempo-sdpa
   squad            tempo.bench.squad_benchmark at s=384 (generated QA set): batch search from 32
                    capped at 64, then a short throughput run, original vs Tempo
+  part 3, max-batch
   maxbatch-s{S}-{V}  bench max-batch: the largest pretraining batch, each probe a fresh process,
                    searched in units of U sequences (the probe multiplies {batch} by U) up to a cap
 
-A stage that fails or runs out of time is recorded (status, seconds, the tail of its log) and the
-suite goes on. The whole run stops starting stages at ``--time-limit`` (default 19 minutes, so one
-H100 finishes within 20); a stage gets min(its own limit, the time left). ``--stages`` picks stages
-by name or prefix (``--stages maxbatch --time-limit 1800``: all six searches).
+The budget: the stage limits (``--dry-run`` prints each, each part's sum and the total) add up to
+the default ``--time-limit``, 1,500 s (25 minutes) for everything. A stage that fails or runs out
+of time is recorded (status, seconds, the tail of its log) and the suite goes on. The whole run
+stops starting stages at ``--time-limit``; a stage gets min(its own limit, the time left), and a
+selection whose limits add up to more than ``--time-limit`` is named up front with the stages
+that may not be reached. ``--stages`` picks stages by name or prefix, ``--part`` by part.
 
 Output, results/<gpu>/<YYYYmmdd-HHMMSS>/ (or --out-dir): env.json (GPU name, driver, torch, triton,
-CUDA, git commit), command.txt (the exact command line), suite.json (every stage: command, status,
+CUDA, git commit), command.txt (the exact command lines), suite.json (every stage: command, status,
 seconds, log tail), the stages' raw JSON / JUnit XML / logs, and summary.md: the results beside the
 anchors (DLE on A100, a 45%-MFU H100), every stage's command, and what did not finish. suite.json
-and summary.md are rewritten after every stage, so an interrupted run leaves both.
+and summary.md are rewritten after every stage, so an interrupted run leaves both. A run into an
+``--out-dir`` that already holds a suite.json keeps the records of the stages it does not run, so
+the three parts, run one after another into one folder, make one summary:
+
+  scripts/gpu_check.sh --part 1 --out-dir results/h100/run1   # then --part 2, then --part 3
 
 Without CUDA it exits 1 with one line; ``--dry-run`` prints the stage commands instead (any machine).
 """
@@ -34,6 +49,7 @@ Without CUDA it exits 1 with one line; ``--dry-run`` prints the stage commands i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -67,7 +83,20 @@ ANCHORS = {
     ("squad", 384): {"dle_a100": 110.5, "h100_45_mfu": None},
 }
 
-DEFAULT_TIME_LIMIT_S = 19 * 60
+# Stage limits in seconds. The tests: ~530 tests, most at small shapes; the time goes to compiling
+# each kernel specialization once (about 0.5 s each), to torch.compile and to the BERT-large tests.
+TESTS_LIMIT_S = 540
+PER_TEST_TIMEOUT_S = 120  # one hung test must not take the stage's whole budget
+OPS_LIMIT_S, LAYER_LIMIT_S, SQUAD_LIMIT_S = 60, 75, 135
+# One bench train process: start, build BERT-large, 3 warm-up + 10 timed steps of ~0.1-0.3 s.
+TRAIN_LIMIT_S = 40
+# One max-batch search: ~5 probes of ~15 s (a fresh process each), the probe timeout 60 s.
+MAXBATCH_LIMIT_S = 75
+PARTS = {1: "tests", 2: "benchmarks", 3: "max-batch"}
+# A part fits one 10-minute command with 30 s for the suite's own start and reports.
+PART_LIMIT_S = 570
+DEFAULT_TIME_LIMIT_S = (TESTS_LIMIT_S + OPS_LIMIT_S + LAYER_LIMIT_S + 2 * 3 * TRAIN_LIMIT_S + SQUAD_LIMIT_S
+                        + 2 * 3 * MAXBATCH_LIMIT_S)  # every stage's limit: 1,500 s
 MIN_STAGE_S = 20  # a stage is not started with less time than this left
 TAIL_LINES = 40
 
@@ -79,6 +108,7 @@ class Stage:
     timeout_s: float
     outputs: list[str] = field(default_factory=list)  # files (relative to the run dir) it writes
     shell: bool = False  # argv[0] is a shell command line
+    part: int = 1  # PARTS
 
     @property
     def command(self) -> str:
@@ -110,14 +140,15 @@ def build_stages(out: Path, gpu_label: str, python: str = sys.executable,
     bench = [python, "-m", "tempo.bench"]
     stages = [
         Stage("gpu-tests", [python, "-m", "pytest", "-m", "gpu", str(REPO / "tests"), "-q", "-rfEs",
-                            "-p", "no:cacheprovider", "--junitxml", str(out / "gpu_tests.xml")],
-              timeout_s=300, outputs=["gpu_tests.xml"]),
+                            "-p", "no:cacheprovider", "--timeout", str(PER_TEST_TIMEOUT_S),
+                            "--junitxml", str(out / "gpu_tests.xml")],
+              timeout_s=TESTS_LIMIT_S, outputs=["gpu_tests.xml"], part=1),
         Stage("ops", [*bench, "ops", "--shapes", "bert-large", "--dtype", "bf16", "--out", str(out / "ops.json")],
-              timeout_s=120, outputs=["ops.json"]),
+              timeout_s=OPS_LIMIT_S, outputs=["ops.json"], part=2),
         Stage("layer", [*bench, "layer", "--shapes", "substation", "--precision", "bf16",
                         "--variants", "original,tempo,sdpa,tempo-sdpa,tempo-floor,hf-eager,hf-sdpa", "--warmup", "3",
                         "--repeats", "10", "--out", str(out / "layer.json")],
-              timeout_s=150, outputs=["layer.json"]),
+              timeout_s=LAYER_LIMIT_S, outputs=["layer.json"], part=2),
     ]
     for seq in SEQ_LENS:
         for variant, flags in VARIANTS.items():
@@ -125,12 +156,12 @@ def build_stages(out: Path, gpu_label: str, python: str = sys.executable,
             stages.append(Stage(name, [*bench, "train", *TRAIN_FLAGS, "--seq-len", str(seq),
                                        "--batch-size", str(TRAIN_BATCH[seq]), "--steps", "10", "--warmup", "3",
                                        *flags, "--out", str(out / f"{name}.json")],
-                                timeout_s=75, outputs=[f"{name}.json"]))
+                                timeout_s=TRAIN_LIMIT_S, outputs=[f"{name}.json"], part=2))
     stages.append(Stage("squad", [python, "-m", "tempo.bench.squad_benchmark", "--gpu", gpu_label,
                                   "--precisions", "bf16", "--max_seq_length", "384", "--doc_stride", "128",
                                   "--start_batch", "32", "--max_batch", "64", "--probe_steps", "2",
                                   "--steps", "20", "--probe_timeout", "90", "--results_root", str(out / "squad")],
-                        timeout_s=240, outputs=["squad"]))
+                        timeout_s=SQUAD_LIMIT_S, outputs=["squad"], part=2))
     for seq in SEQ_LENS:
         unit, start, cap = MAXBATCH_GRID[seq]
         for variant, flags in VARIANTS.items():
@@ -143,12 +174,15 @@ def build_stages(out: Path, gpu_label: str, python: str = sys.executable,
             template = f"{probe} --batch-size $(( {{batch}} * {unit} ))"
             stages.append(Stage(name, [*bench, "max-batch", "--command", template, "--start", str(start),
                                        "--max", str(cap), "--timeout", "60", "--out", str(out / f"{name}.json")],
-                                timeout_s=100, outputs=[f"{name}.json"]))
+                                timeout_s=MAXBATCH_LIMIT_S, outputs=[f"{name}.json"], part=3))
     return stages
 
 
-def select_stages(stages: list[Stage], spec: Optional[str]) -> list[Stage]:
-    """``spec``: comma list of stage names or prefixes ("train", "maxbatch-s512"); None: all."""
+def select_stages(stages: list[Stage], spec: Optional[str], parts: Optional[set[int]] = None) -> list[Stage]:
+    """``spec``: comma list of stage names or prefixes ("train", "maxbatch-s512"); None: all.
+    ``parts`` (PARTS numbers) keeps only the stages of those parts."""
+    if parts:
+        stages = [s for s in stages if s.part in parts]
     if not spec:
         return stages
     wanted = [w.strip() for w in spec.split(",") if w.strip()]
@@ -159,6 +193,49 @@ def select_stages(stages: list[Stage], spec: Optional[str]) -> list[Stage]:
         raise BenchError(f"--stages: no stage named or starting with {', '.join(unknown)}; "
                          f"stages: {', '.join(s.name for s in stages)}")
     return [s for s in stages if any(s.name == w or s.name.startswith(w) for w in wanted)]
+
+
+def parse_parts(text: str) -> set[int]:
+    """``--part``: comma list of part numbers or names ("1", "2,3", "tests,max-batch")."""
+    by_name = {name: number for number, name in PARTS.items()}
+    parts = set()
+    for word in (w.strip() for w in text.split(",")):
+        if word.isdigit() and int(word) in PARTS:
+            parts.add(int(word))
+        elif word in by_name:
+            parts.add(by_name[word])
+        else:
+            choices = ", ".join(f"{n} ({name})" for n, name in PARTS.items())
+            raise argparse.ArgumentTypeError(f"no part {word!r}; parts: {choices}")
+    return parts
+
+
+def budget_lines(stages: list[Stage], time_limit_s: float) -> list[str]:
+    """What ``--dry-run`` prints after the stages: each part's limits, the total, what may not run."""
+    lines = []
+    for number, name in PARTS.items():
+        in_part = [s for s in stages if s.part == number]
+        if in_part:
+            total = sum(s.timeout_s for s in in_part)
+            lines.append(f"# part {number} ({name}): {len(in_part)} stage{'s' if len(in_part) != 1 else ''}, "
+                         f"limits add up to {total:.0f} s")
+    total = sum(s.timeout_s for s in stages)
+    lines.append(f"# total: {total:.0f} s of stage limits, time limit {time_limit_s:.0f} s")
+    short = stages_past_the_limit(stages, time_limit_s)
+    if short:
+        lines.append(f"# over budget: if every stage used its limit, these would be cut short or not run: "
+                     f"{', '.join(short)}")
+    return lines
+
+
+def stages_past_the_limit(stages: list[Stage], time_limit_s: float) -> list[str]:
+    """Names of the stages that would not get their whole limit if every earlier stage used its own."""
+    names, used = [], 0.0
+    for stage in stages:
+        used += stage.timeout_s
+        if used > time_limit_s:
+            names.append(stage.name)
+    return names
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,29 +302,53 @@ def run_stage(stage: Stage, out: Path, timeout_s: float, cwd: Path = REPO) -> St
 
 
 def run_suite(stages: list[Stage], out: Path, time_limit_s: float, header: dict[str, Any],
-              cwd: Path = REPO) -> list[StageResult]:
-    """All ``stages`` in order within ``time_limit_s``; suite.json and summary.md after each."""
+              cwd: Path = REPO, carried: Optional[list[StageResult]] = None,
+              order: Optional[list[str]] = None) -> list[StageResult]:
+    """All ``stages`` in order within ``time_limit_s``; suite.json and summary.md after each.
+
+    ``carried``: records of stages an earlier run into ``out`` made and this one does not run;
+    the reports hold them too, everything in ``order`` (stage names; default: as given)."""
     deadline = time.monotonic() + time_limit_s
     results = [StageResult(s.name, s.command, "not-run", s.timeout_s, note="not reached") for s in stages]
-    write_reports(out, header, results)
+    kept = {r.name: r for r in carried or [] if r.name not in {s.name for s in stages}}
+
+    def report() -> None:
+        current = {r.name: r for r in results}
+        names = order or [*current, *kept]
+        merged = [current.get(n) or kept.get(n) for n in names]
+        merged += [r for n, r in {**kept, **current}.items() if n not in names]
+        write_reports(out, header, [r for r in merged if r is not None])
+
+    report()
     for i, stage in enumerate(stages):
         left = deadline - time.monotonic()
         if left < MIN_STAGE_S:
             results[i].note = f"suite time limit ({time_limit_s:.0f} s) reached"
-            write_reports(out, header, results)
+            report()
             continue
         print(f"[gpu-suite] {stage.name} (limit {min(stage.timeout_s, left):.0f} s): {stage.command}", flush=True)
         try:
             results[i] = run_stage(stage, out, min(stage.timeout_s, left), cwd=cwd)
         except BaseException:
             results[i].status, results[i].note = "interrupted", "the suite was interrupted here"
-            write_reports(out, header, results)
+            report()
             raise
         r = results[i]
         print(f"[gpu-suite] {stage.name}: {r.status} in {r.seconds:.0f} s"
               + (f" (exit {r.returncode})" if r.status == "failed" else ""), flush=True)
-        write_reports(out, header, results)
+        report()
     return results
+
+
+def earlier_run(out: Path) -> tuple[list[StageResult], list[str]]:
+    """The stage records and commands of an earlier run into ``out`` (none: empty lists)."""
+    record = _load(out / "suite.json")
+    if not record or record.get("kind") != "gpu_suite":
+        return [], []
+    names = {f.name for f in dataclasses.fields(StageResult)}
+    results = [StageResult(**{k: v for k, v in stage.items() if k in names}) for stage in record.get("stages", [])]
+    commands = [*record.get("earlier_commands", []), record.get("command")]
+    return results, [c for c in commands if c]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,6 +433,7 @@ def summary_markdown(out: Path, header: dict[str, Any], results: list[StageResul
              + (" (uncommitted changes)" if header.get("git_dirty") else ""),
              *([f"- invoked as: `{header['invoked_as']}`"] if header.get("invoked_as") else []),
              f"- command: `{header.get('command', '?')}` (cwd `{header.get('cwd', '?')}`)",
+             *[f"- earlier run into this folder: `{c}`" for c in header.get("earlier_commands", [])],
              f"- stages: {done} of {len(results)} ok", ""]
     unfinished = [r for r in results if r.status != "ok"]
     if unfinished:
@@ -471,10 +573,19 @@ def _layer_section(out: Path) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the stage commands and exit (any machine)")
     p.add_argument("--stages", default=None, help="comma list of stage names or prefixes (default: all)")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
-                   help=f"seconds for the whole suite (default {DEFAULT_TIME_LIMIT_S})")
+    p.add_argument("--part", type=parse_parts, default=None,
+                   help="comma list of parts: " + ", ".join(f"{n} ({name})" for n, name in PARTS.items())
+                        + f"; each part's limits add up to at most {PART_LIMIT_S} s (default: all)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help=f"seconds for the whole run (default: the selected stages' limits added up; "
+                        f"{DEFAULT_TIME_LIMIT_S} for all)")
     p.add_argument("--results-root", default="results", help="results/<gpu>/<timestamp>/ goes here")
     p.add_argument("--out-dir", default=None, help="exact run directory instead")
+
+
+def _time_limit(args: argparse.Namespace, stages: list[Stage]) -> float:
+    """--time-limit, or the selected stages' limits added up (the whole suite: DEFAULT_TIME_LIMIT_S)."""
+    return args.time_limit if args.time_limit is not None else float(sum(s.timeout_s for s in stages))
 
 
 def _invocation(argv: Optional[list[str]]) -> str:
@@ -489,7 +600,7 @@ def main(args: argparse.Namespace) -> int:
     from tempo.bench.hardware import device_label, environment
     from tempo.bench.results import new_results_dir
 
-    if args.time_limit <= 0:
+    if args.time_limit is not None and args.time_limit <= 0:
         raise BenchError(f"--time-limit must be positive, got {args.time_limit}")
     on_cuda = torch.cuda.is_available()
     if not on_cuda and not args.dry_run:
@@ -498,29 +609,43 @@ def main(args: argparse.Namespace) -> int:
     label = device_label("cuda") if on_cuda else "cpu"
     if args.dry_run:
         out = Path(args.out_dir) if args.out_dir else Path(args.results_root) / label / time.strftime("%Y%m%d-%H%M%S")
-        stages = select_stages(build_stages(out.resolve(), label), args.stages)
-        print(f"# gpu-suite dry run: {len(stages)} stages, time limit {args.time_limit:.0f} s, "
+        stages = select_stages(build_stages(out.resolve(), label), args.stages, args.part)
+        time_limit = _time_limit(args, stages)
+        print(f"# gpu-suite dry run: {len(stages)} stages, time limit {time_limit:.0f} s, "
               f"results would go to {out}/ (cwd {REPO})")
         for s in stages:
             print(f"{s.name}\t{s.timeout_s:.0f}\t{s.command}")
+        for line in budget_lines(stages, time_limit):
+            print(line)
         return 0
 
     out = Path(args.out_dir) if args.out_dir else new_results_dir(args.results_root, "cuda")
     out.mkdir(parents=True, exist_ok=True)
     out = out.resolve()
-    stages = select_stages(build_stages(out, label), args.stages)
+    every_stage = build_stages(out, label)
+    stages = select_stages(every_stage, args.stages, args.part)
+    time_limit = _time_limit(args, stages)
+    short = stages_past_the_limit(stages, time_limit)
+    if short:
+        print(f"[gpu-suite] note: the selected stages' limits add up to {sum(s.timeout_s for s in stages):.0f} s, "
+              f"more than --time-limit {time_limit:.0f} s: {', '.join(short)} may be cut short or not run",
+              file=sys.stderr, flush=True)
+    carried, earlier_commands = earlier_run(out)
     env = environment("cuda")
     commit, dirty = env.get("git_commit"), env.get("git_dirty")
     if commit is None and os.environ.get("TEMPO_GIT_COMMIT"):  # the image has no .git: build.sh bakes it in
         commit, dirty = os.environ["TEMPO_GIT_COMMIT"] + " (from the image build)", None
     header = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": _invocation(getattr(args, "argv", None)),
               # scripts/gpu_check.sh exports its own command line here
-              "invoked_as": os.environ.get("TEMPO_GPU_CHECK_COMMAND"), "cwd": os.getcwd(), "time_limit_s": args.time_limit, "git_commit": commit, "git_dirty": dirty,
-              "env": env}
+              "invoked_as": os.environ.get("TEMPO_GPU_CHECK_COMMAND"), "cwd": os.getcwd(), "time_limit_s": time_limit,
+              "git_commit": commit, "git_dirty": dirty, "env": env,
+              # an earlier run into this folder (another --part): its stages stay in the reports
+              "earlier_commands": earlier_commands}
     from tempo.utils import atomic_write_text
 
     atomic_write_text(out / "env.json", json.dumps(env, indent=2) + "\n")
-    atomic_write_text(out / "command.txt", "".join(f"{c}\n" for c in (header["invoked_as"], header["command"]) if c)
+    earlier = (out / "command.txt").read_text() if earlier_commands and (out / "command.txt").exists() else ""
+    atomic_write_text(out / "command.txt", earlier + "".join(f"{c}\n" for c in (header["invoked_as"], header["command"]) if c)
                       + f"# cwd: {header['cwd']}\n")
     print(f"[gpu-suite] {env.get('device_name')}, torch {env.get('torch')}, triton {env.get('triton')}, "
           f"CUDA {env.get('cuda')}, driver {env.get('driver')}; results in {out}", flush=True)
@@ -528,7 +653,7 @@ def main(args: argparse.Namespace) -> int:
     # is stopped and the reports say where the suite was interrupted.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        results = run_suite(stages, out, args.time_limit, header)
+        results = run_suite(stages, out, time_limit, header, carried=carried, order=[s.name for s in every_stage])
     finally:
         signal.signal(signal.SIGTERM, previous)
     bad = [r.name for r in results if r.status != "ok"]
