@@ -7,9 +7,11 @@ from a config. Tempo, before the Trainer:
 
     model = apply_tempo(GPT2LMHeadModel(config))
 
-GPT-2's activation is "gelu_new", a tanh approximation: apply_tempo leaves it alone (and logs
-it) and replaces the LayerNorms and the attention (causal mask included). ``--activation_function
-gelu`` builds the model with exact GELU, which Tempo then replaces too.
+GPT-2's activation is "gelu_new", the tanh approximation: apply_tempo replaces it with
+InplaceGelu(approximate="tanh") (``--activation_function gelu`` builds the model with the exact
+GELU, which becomes InplaceGelu()), the LayerNorms with InplaceLayerNorm and the attention with
+Tempo's default, the efficient attention (causal). GPT-2 has no BERT-style residual blocks, so
+nothing is fused.
 
     python examples/hf_trainer_clm.py --compare --max_steps 50
 

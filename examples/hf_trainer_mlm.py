@@ -6,6 +6,9 @@ BERT built from a config (nothing is downloaded). Tempo is one line, before the 
 
     model = apply_tempo(BertForMaskedLM(config))
 
+which applies Tempo's default (the trainers' ``--tempo`` too): In-place GELU, In-place LayerNorm,
+the residual blocks fused into DropoutAddLayerNorm and the efficient attention.
+
     python examples/hf_trainer_mlm.py --max_steps 50 --per_device_train_batch_size 16
     python examples/hf_trainer_mlm.py --no-tempo ...        # the baseline
     python examples/hf_trainer_mlm.py --compare ...         # both, one after the other

@@ -4,6 +4,19 @@ Every place that lets a user choose reads this module: the trainers' flags (``--
 ``--tempo_layers``, ``--attention``), the benchmark's flags (same spelling), the BERT model,
 ``apply_tempo``, AutoTempo and the ledger tables. Adding a layer kind or an attention
 implementation means editing this file and the code that builds the layer, nothing else.
+
+The default, written once (``TempoChoice.default()``): every Tempo layer kind with the efficient
+attention, the floor. ``--tempo`` (no ``--tempo_layers``) in the trainers and the benchmark and
+``apply_tempo(model)`` with no arguments all mean it. It is the default because it keeps the least
+of every choice (20.6 h per added BERT-large layer against 28.5 h / 40.5 h for the paper's three
+layers at s = 128 / 512, ``python -m tempo.memory``) with the same exactness contract: every
+layer in it returns the stock layer's values and gradients within the bounds its module states.
+The paper's three layers (``PAPER_KINDS`` with the Combined attention, ``TempoChoice.paper()``)
+are there to compare with the paper, always asked for by name.
+
+Kinds named one by one (``--tempo_layers gelu,attention``, ``TempoChoice.full(kinds)``) keep
+the paper's attention implementation unless one is named (``--attention efficient``); the
+default restricted to some kinds (``TempoChoice.default(kinds)``) keeps the efficient one.
 """
 
 from __future__ import annotations
@@ -14,9 +27,10 @@ from typing import Iterable, Optional
 # Layer kinds Tempo can swap in. dropout_add_layernorm fuses the hidden dropout, the residual add
 # and the LayerNorm after it (DropoutAddLayerNorm: keeps no mask and no pre-LN sum).
 LAYER_KINDS = ("gelu", "layernorm", "attention", "dropout_add_layernorm")
-# The paper's three layers: what TempoChoice.full() turns on by default. (--tempo without
-# --tempo_layers turns on TempoChoice.floor(), every kind with efficient attention.)
-DEFAULT_KINDS = ("gelu", "layernorm", "attention")
+# The paper's three layers: what TempoChoice.full() and TempoChoice.paper() turn on. (The default,
+# --tempo without --tempo_layers and apply_tempo(model), is TempoChoice.default(): every kind with
+# efficient attention.)
+PAPER_KINDS = ("gelu", "layernorm", "attention")
 # Implementations of the attention core (softmax -> dropout -> matmul with v):
 #   eager: PyTorch ops as written (keeps the s x s probabilities, mask and dropout output);
 #   tempo: the paper's Combined layer (keeps the s x s probabilities, no mask);
@@ -25,8 +39,11 @@ DEFAULT_KINDS = ("gelu", "layernorm", "attention")
 ATTENTIONS = ("eager", "tempo", "sdpa", "efficient")
 # The attention implementations that are Tempo layers (count as the "attention" kind).
 TEMPO_ATTENTIONS = ("tempo", "efficient")
-# What --attention means when Tempo attention is on and no implementation is named.
+# What --attention means when the attention kind is named (--tempo_layers ...,attention,
+# TempoChoice.full, apply_tempo(attention=True)) and no implementation is: the paper's Combined.
 DEFAULT_TEMPO_ATTENTION = "tempo"
+# The attention of the default choice (TempoChoice.default()): O(s) kept per row.
+FLOOR_ATTENTION = "efficient"
 # Training precisions, in one order everywhere: tf32 = fp32 weights with TF32 matmuls.
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
@@ -74,9 +91,9 @@ class TempoChoice:
     original = none  # the name the trainers and tables use for the stock layers
 
     @classmethod
-    def full(cls, kinds: Iterable[str] = DEFAULT_KINDS, attention: Optional[str] = None) -> "TempoChoice":
+    def full(cls, kinds: Iterable[str] = PAPER_KINDS, attention: Optional[str] = None) -> "TempoChoice":
         """The given kinds on (the paper's three by default); ``attention`` overrides the attention
-        implementation."""
+        implementation (by default DEFAULT_TEMPO_ATTENTION, the paper's, when "attention" is on)."""
         kinds = parse_kinds(kinds, flag="kinds")
         if attention is None:
             attention = DEFAULT_TEMPO_ATTENTION if "attention" in kinds else "eager"
@@ -86,20 +103,35 @@ class TempoChoice:
     @classmethod
     def floor(cls) -> "TempoChoice":
         """Every Tempo layer with O(s) attention: the least a layer keeps without recomputing a GEMM."""
-        return cls.full(LAYER_KINDS, attention="efficient")
+        return cls.full(LAYER_KINDS, attention=FLOOR_ATTENTION)
+
+    @classmethod
+    def default(cls, kinds: Optional[Iterable[str]] = None) -> "TempoChoice":
+        """THE default: what ``--tempo`` and ``apply_tempo(model)`` mean (the floor, see the module
+        docstring). ``kinds`` keeps only those kinds of it on (the attention, when on, stays the
+        efficient one)."""
+        if kinds is None:
+            return cls.floor()
+        kinds = parse_kinds(kinds, flag="kinds")
+        return cls.full(kinds, attention=FLOOR_ATTENTION if "attention" in kinds else None)
+
+    @classmethod
+    def paper(cls) -> "TempoChoice":
+        """The Tempo paper's three layers: In-place GELU, In-place LayerNorm, Combined attention."""
+        return cls.full(PAPER_KINDS, attention="tempo")
 
     @classmethod
     def from_flags(cls, enabled: bool, kinds: str | Iterable[str] | None = None,
                    attention: Optional[str] = None, flag: str = "--tempo_layers") -> "TempoChoice":
         """What ``--tempo/--no-tempo``, ``--tempo_layers`` and ``--attention`` ask for: with no
-        --tempo_layers, --tempo means the best Tempo has (``floor()``), --attention overriding its
-        attention implementation."""
+        --tempo_layers, --tempo means the default (``default()``, the floor), --attention overriding
+        its attention implementation."""
         if kinds is not None:
             kinds = parse_kinds(kinds, flag=flag)
         if not enabled:
             return cls.none(attention or "eager")
         if kinds is None:
-            best = cls.floor()
+            best = cls.default()
             return best if attention is None else replace(best, attention=attention)
         return cls.full(kinds, attention=attention)
 
@@ -127,5 +159,5 @@ class TempoChoice:
                 + (f", first_layers={self.first_layers})" if self.first_layers is not None else ")"))
 
 
-__all__ = ["ATTENTIONS", "ChoiceError", "DEFAULT_KINDS", "DEFAULT_TEMPO_ATTENTION", "LAYER_KINDS", "PRECISIONS",
-           "TEMPO_ATTENTIONS", "TempoChoice", "parse_kinds"]
+__all__ = ["ATTENTIONS", "ChoiceError", "DEFAULT_TEMPO_ATTENTION", "FLOOR_ATTENTION", "LAYER_KINDS", "PAPER_KINDS",
+           "PRECISIONS", "TEMPO_ATTENTIONS", "TempoChoice", "parse_kinds"]

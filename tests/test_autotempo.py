@@ -189,7 +189,7 @@ def test_real_run_on_cpu_with_a_budget(one_thread):
     # is not the estimate the budget below is made of.
     probe = DefaultMeasure(batch_factory, steps=1, warmup=1, device="cpu")
     plain8 = probe.estimate(model_factory, 8)
-    tempo8 = probe.estimate(lambda: apply_choice(TempoChoice.full(kinds), model_factory()), 8)
+    tempo8 = probe.estimate(lambda: apply_choice(TempoChoice.default(kinds), model_factory()), 8)
     assert tempo8.total < plain8.total and tempo8.weights == plain8.weights
     assert tempo8.optimizer_states == plain8.optimizer_states > 0
 
@@ -198,8 +198,139 @@ def test_real_run_on_cpu_with_a_budget(one_thread):
     result = auto_tempo(model_factory, policy="fast", measure=measure, max_batch=8, min_gain=-1.0, kinds=kinds)
     plain_max = max(m.batch_size for m in result.measurements if m.choice.is_none and m.fits)
     assert plain_max < 8
-    assert result.choice == TempoChoice.full(kinds) and result.batch_size == 8
+    assert result.choice == TempoChoice.default(kinds) and result.batch_size == 8
     assert all(m.memory_bytes is not None and (m.memory_bytes <= tempo8.total) == m.fits for m in result.measurements)
     assert result.samples_per_s > 0
     model = result.apply(model_factory())
-    assert model.config._attn_implementation == "tempo"
+    assert model.config._attn_implementation == "tempo_efficient"
+
+
+# -- every OOM form is "does not fit"; probes in a process of their own (CUDA's default), simulated on the CPU --
+from tempo.integrations.autotempo import run_probe_isolated  # noqa: E402
+from tempo.train.max_batch import ProbeError, SearchError  # noqa: E402
+
+OOM_FORMS = {
+    "torch.OutOfMemoryError": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    "cuBLAS workspace": lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    "CUDA error": lambda: RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+}
+
+
+BUILT: list[int] = []  # batch sizes BatchesUpTo built in this process
+
+
+class BatchesUpTo:
+    """A batch factory (module level, so a spawned probe can pickle it) that fails above ``limit``:
+    raising ``error`` (a key of OOM_FORMS, or "bug"), or, as the probe process, killing itself or
+    exiting without a result."""
+
+    def __init__(self, limit: int, error: str):
+        self.limit, self.error = limit, error
+
+    def __call__(self, batch_size: int) -> torch.Tensor:
+        BUILT.append(batch_size)  # in the process that measures
+        if batch_size > self.limit:
+            if self.error in OOM_FORMS:
+                raise OOM_FORMS[self.error]()
+            if self.error == "sigkill":
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.error == "exit":
+                import os
+
+                os._exit(3)
+            if self.error == "hang":
+                import time
+
+                time.sleep(60)
+            raise ValueError(f"a bug at batch {batch_size}")
+        return torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(batch_size))
+
+
+def small_stack() -> TinyStack:
+    torch.manual_seed(0)
+    return TinyStack(layers=2)
+
+
+def cpu_measure(limit: int, error: str, isolate: bool, **kwargs) -> DefaultMeasure:
+    return DefaultMeasure(BatchesUpTo(limit, error), device="cpu", steps=1, warmup=1, isolate=isolate,
+                          optimizer_factory=None, **kwargs)
+
+
+@pytest.mark.parametrize("form", list(OOM_FORMS))
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
+def test_every_oom_form_is_does_not_fit(form, isolate):
+    """The search goes on past an OOM of any form (max-batch's markers) and finds the largest batch."""
+    measure = cpu_measure(5, form, isolate)
+    # min_gain=inf: "flattened" whatever the timings, so only the search without Tempo runs.
+    result = auto_tempo(small_stack, policy="fast", measure=measure, kinds=GELU_LN, max_batch=8,
+                        min_gain=float("inf"))
+    assert [(m.batch_size, m.fits) for m in result.measurements] == [
+        (1, True), (2, True), (4, True), (8, False), (6, False), (5, True)]
+    assert not result.use_tempo and result.batch_size == 5
+
+
+def test_a_failure_that_is_not_memory_is_raised_naming_the_batch():
+    with pytest.raises(ValueError, match="a bug at batch 8"):
+        cpu_measure(5, "bug", isolate=False)(small_stack, 8)
+    with pytest.raises(SearchError, match=r"batch 8: ValueError: a bug at batch 8") as caught:
+        auto_tempo(small_stack, policy="fast", measure=cpu_measure(5, "bug", isolate=True), kinds=GELU_LN, max_batch=64)
+    assert "Traceback" in caught.value.cause.message  # the probe's own traceback comes back
+    assert [p.batch for p in caught.value.probes] == [1, 2, 4]
+
+
+def test_isolated_probe_matches_in_process_and_runs_elsewhere():
+    BUILT.clear()
+    here = cpu_measure(64, "bug", isolate=False)(small_stack, 4)
+    assert BUILT == [4]
+    there = cpu_measure(64, "bug", isolate=True)(small_stack, 4)
+    assert BUILT == [4]  # the isolated probe built its batch in its own process
+    assert there[0] is True and here[0] is True and there[2] == here[2] > 0  # the same estimate, made there
+
+
+@pytest.mark.parametrize("how,fits", [("sigkill", False), ("exit", None), ("hang", None)])
+def test_a_probe_process_that_dies_or_hangs(how, fits, caplog):
+    measure = cpu_measure(2, how, isolate=True, probe_timeout=20.0 if how != "hang" else 1.0)
+    assert measure(small_stack, 2)[0] is True
+    if fits is False:  # SIGKILL is what the kernel's OOM killer sends
+        with caplog.at_level(logging.WARNING, logger="tempo.integrations.autotempo"):
+            assert measure(small_stack, 4) == (False, 0.0, None)
+        assert any("SIGKILL" in m for m in caplog.messages)
+        return
+    message = "exit code 3 without a result" if how == "exit" else "ran longer than 1.0 s and was killed"
+    with pytest.raises(ProbeError, match=message):
+        measure(small_stack, 4)
+
+
+def test_factories_that_do_not_pickle():
+    """Probe processes get their factories pickled: with isolation asked for, a lambda is refused
+    naming what to pass instead; with isolation by default (CUDA's), it is measured in this process,
+    said once."""
+    measure = cpu_measure(2, "CUDA error", isolate=True)
+    with pytest.raises(ValueError, match=r"module-level functions .* or DefaultMeasure\(isolate=False\)"):
+        run_probe_isolated(measure.measure_here, lambda: small_stack(), 1)
+    by_default = cpu_measure(2, "CUDA error", isolate=None)
+    assert not by_default.isolate and by_default.isolate_by_default  # on the CPU; on CUDA it is on
+    by_default.isolate = True  # as on CUDA
+    with caplog_at_warning() as records:
+        assert by_default(lambda: small_stack(), 1)[0] is True
+        assert by_default(lambda: small_stack(), 4) == (False, 0.0, None)
+    assert sum("probes run in this process" in r.getMessage() for r in records) == 1
+    with pytest.raises(ValueError, match="probe_timeout"):
+        cpu_measure(2, "bug", isolate=True, probe_timeout=0)
+
+
+class caplog_at_warning:
+    """The autotempo logger's WARNING records inside the block."""
+
+    def __enter__(self):
+        self.records, self.logger = [], logging.getLogger("tempo.integrations.autotempo")
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = self.records.append
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)

@@ -18,6 +18,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                  vocab_size=100)
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+# The paper's three layers, asked for by name (apply_tempo's default is every layer, efficient attention).
+PAPER = dict(attention="tempo", dropout_add_layernorm=False)
+# What apply_tempo(model) swaps in the tiny BERT MLM (2 layers): 2 x FFN GELU + the MLM head's; the
+# 2 x 2 residual blocks fused; the embeddings' and the MLM head's LayerNorms.
+BERT_DEFAULT = {"InplaceGelu": 3, "FusedResidualOutput": 4, "InplaceLayerNorm": 2, "attention": 1}
 
 
 def needs_gelu():
@@ -70,15 +75,15 @@ def test_bert_modules_state_dict_and_revert(caplog):
     state_before = snapshot(model)
 
     with caplog.at_level(logging.DEBUG, logger="tempo.integrations.patch"):
-        assert apply_tempo(model) is model
-    # 2 layers x (FFN GELU) + MLM head transform GELU; 2 x 2 + embeddings + MLM head LayerNorms.
-    assert tempo_patched(model) == {"InplaceGelu": 3, "InplaceLayerNorm": 6, "attention": 1}
+        assert apply_tempo(model) is model  # the default: every Tempo layer, efficient attention
+    assert tempo_patched(model) == BERT_DEFAULT
     assert type(model.bert.encoder.layer[0].intermediate.intermediate_act_fn).__name__ == "InplaceGelu"
-    assert model.config._attn_implementation == "tempo"
+    assert model.config._attn_implementation == "tempo_efficient"
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert "apply_tempo: replaced 3 GELU -> InplaceGelu" in info
-    assert "apply_tempo: replaced 6 LayerNorm -> InplaceLayerNorm" in info
-    assert "attention: eager -> tempo (1 config)" in info
+    assert "apply_tempo: replaced 2 LayerNorm -> InplaceLayerNorm" in info
+    assert "apply_tempo: replaced 4 dropout-add-LayerNorm -> FusedResidualOutput (DropoutAddLayerNorm)" in info
+    assert "attention: eager -> tempo_efficient (1 config)" in info
     assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 9  # one per module
 
     # Same keys, same values, the very same Parameter objects (optimizers stay valid).
@@ -93,6 +98,7 @@ def test_bert_modules_state_dict_and_revert(caplog):
     revert_tempo(model)
     assert dict(model.named_modules()).keys() == modules_before.keys()
     assert all(modules_before[k] is m for k, m in model.named_modules())
+    assert all(type(m) is type(modules_before[k]) for k, m in model.named_modules())
     assert model.config._attn_implementation == "eager"
     assert tempo_patched(model) == {"attention": 0}
     assert_close_dicts(snapshot(model), state_before, atol=0)
@@ -137,17 +143,29 @@ def test_bert_eval_equivalence_padded():
     torch.testing.assert_close(patched, reference, atol=1e-5, rtol=0)
 
 
-def test_padding_reaches_tempo_attention(monkeypatch):
+@pytest.mark.parametrize("attention", ["tempo", "efficient"])
+def test_padding_reaches_tempo_attention(attention, monkeypatch):
     """Padded keys must be masked: a padded row gives what the unpadded prefix gives alone."""
     calls = []
-    real = hf_attention.combined_softmax_dropout_matmul
+    if attention == "tempo":  # Combined gets the additive scores: masked ones are finfo.min
+        real = hf_attention.combined_softmax_dropout_matmul
 
-    def counting(scores, *args, **kwargs):
-        calls.append(scores)
-        return real(scores, *args, **kwargs)
+        def counting(scores, *args, **kwargs):
+            calls.append((scores <= torch.finfo(scores.dtype).min / 2).any())
+            return real(scores, *args, **kwargs)
 
-    monkeypatch.setattr(hf_attention, "combined_softmax_dropout_matmul", counting)
-    model = apply_tempo(bert_mlm().eval(), gelu=False)
+        monkeypatch.setattr(hf_attention, "combined_softmax_dropout_matmul", counting)
+    else:  # efficient attention gets sdpa's boolean mask: masked keys are False
+        from tempo.ops import attention as attention_op
+
+        real = attention_op.efficient_attention
+
+        def counting(q, k, v, attn_mask=None, **kwargs):
+            calls.append(attn_mask is not None and attn_mask.dtype == torch.bool and not bool(attn_mask.all()))
+            return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+        monkeypatch.setattr(attention_op, "efficient_attention", counting)
+    model = apply_tempo(bert_mlm().eval(), gelu=False, attention=attention)
     ids, mask = padded_batch()
     with torch.no_grad():
         padded = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -156,7 +174,7 @@ def test_padding_reaches_tempo_attention(monkeypatch):
         garbage[2, 3:] = (garbage[2, 3:] + 17) % 100
         changed = model.bert(input_ids=garbage, attention_mask=mask).last_hidden_state
     assert calls, "the tempo attention function was never called"
-    assert (calls[0] <= torch.finfo(calls[0].dtype).min / 2).any(), "no masked score reached Combined"
+    assert calls[0], "no masked key reached the attention"
     torch.testing.assert_close(padded[2, :3], alone[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(changed[2, :3], padded[2, :3], atol=1e-6, rtol=0)
 
@@ -189,7 +207,8 @@ def one_thread():
 
 
 def mlm_losses(patched: bool, seed: int, steps: int = 40):
-    """Loss per step of a tiny BERT memorising one masked batch, with dropout 0.1 everywhere."""
+    """Loss per step of a tiny BERT memorising one masked batch, with dropout 0.1 everywhere
+    (patched: apply_tempo's default, every Tempo layer)."""
     torch.manual_seed(0)
     model = bert_mlm(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1).train()
     if patched:
@@ -211,7 +230,7 @@ def mlm_losses(patched: bool, seed: int, steps: int = 40):
 
 
 def test_bert_mlm_converges_like_unpatched_with_dropout(one_thread):
-    """Same weights and data, AdamW; only the dropout masks differ (Combined draws its own).
+    """Same weights and data, AdamW; only the dropout masks differ (Tempo's layers draw their own).
 
     Measured here (unpatched, three dropout seeds): the loss falls from ~3.9 to a last-10-step
     mean of 0.31-0.42, and the 10-step means of two seeds differ by up to ~0.12. Patched runs fall
@@ -244,10 +263,12 @@ def test_ledger_shows_bytes_saved():
         return bert_mlm().train()
 
     plain = train_ledger(fresh(), ids)
-    gelu_only = train_ledger(apply_tempo(fresh(), layernorm=False, attention=False), ids)
-    ln_only = train_ledger(apply_tempo(fresh(), gelu=False, attention=False), ids)
-    attn_only = train_ledger(apply_tempo(fresh(), gelu=False, layernorm=False), ids)
-    full = train_ledger(apply_tempo(fresh()), ids)
+    alone = dict(gelu=False, layernorm=False, attention=False, dropout_add_layernorm=False)
+    gelu_only = train_ledger(apply_tempo(fresh(), **{**alone, "gelu": True}), ids)
+    ln_only = train_ledger(apply_tempo(fresh(), **{**alone, "layernorm": True}), ids)
+    attn_only = train_ledger(apply_tempo(fresh(), **{**alone, "attention": "tempo"}), ids)
+    paper = train_ledger(apply_tempo(fresh(), **PAPER), ids)
+    default = train_ledger(apply_tempo(fresh()), ids)
 
     # GELU: nn's GELU keeps its fp32 input; InplaceGelu keeps its output (already kept by the
     # next Linear) plus a 1-bit mask. Encoder FFN (inter wide) + MLM head transform (hidden wide).
@@ -262,7 +283,8 @@ def test_ledger_shows_bytes_saved():
     # Attention: eager also keeps the dropout output (fp32) and its mask; Combined adds a seed.
     probs = batch * heads * length * length * layers
     assert plain - attn_only >= 5 * probs - 8 * layers
-    assert full < min(gelu_only, ln_only, attn_only)
+    assert paper < min(gelu_only, ln_only, attn_only)
+    assert default < paper  # the default (every layer, efficient attention) keeps the least
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,9 +304,11 @@ def distilbert():
         dim=32, n_layers=2, n_heads=2, hidden_dim=64, vocab_size=100, attn_implementation="eager"))
 
 
+# apply_tempo's default: RoBERTa's and ELECTRA's 2 x 2 residual blocks are fused (their other LayerNorms
+# swapped); DistilBERT's blocks are not BERT's, so its 2 x 2 + 2 LayerNorms are swapped one by one.
 @pytest.mark.parametrize("build,expected", [
-    (roberta, {"InplaceGelu": 2, "InplaceLayerNorm": 6}),  # its LM head calls gelu() as a function
-    (electra, {"InplaceGelu": 3, "InplaceLayerNorm": 5}),
+    (roberta, {"InplaceGelu": 2, "InplaceLayerNorm": 2, "FusedResidualOutput": 4}),  # its LM head calls gelu()
+    (electra, {"InplaceGelu": 3, "InplaceLayerNorm": 1, "FusedResidualOutput": 4}),
     (distilbert, {"InplaceGelu": 3, "InplaceLayerNorm": 6}),
 ], ids=["roberta", "electra", "distilbert"])
 def test_bert_family_eval_equivalence(build, expected):
@@ -320,7 +344,7 @@ def test_gpt2_gets_all_three_layers(caplog):
     model = gpt2().eval()
     ids, mask = padded_batch()
     mask[2] = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1])  # left padding as well
-    act = model.transformer.h[0].mlp.act
+    act, ln = model.transformer.h[0].mlp.act, model.transformer.h[0].ln_1
     assert type(act).__name__ == "NewGELUActivation"
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask).logits
@@ -333,8 +357,10 @@ def test_gpt2_gets_all_three_layers(caplog):
     assert type(new).__name__ == "InplaceGelu" and new.approximate == "tanh"
     valid = mask.bool()
     torch.testing.assert_close(patched[valid], reference[valid], atol=1e-5, rtol=0)
+    assert model.config._attn_implementation == "tempo_efficient"  # the default
     revert_tempo(model)
     assert model.transformer.h[0].mlp.act is act and model.config._attn_implementation == "eager"
+    assert type(model.transformer.h[0].ln_1) is nn.LayerNorm and model.transformer.h[0].ln_1 is ln
 
 
 def test_gpt2_exact_gelu_config_and_causal_mask():
@@ -373,15 +399,16 @@ def test_gpt2_train_gradients_equal_without_dropout():
     assert_close_dicts(named_grads(model), reference, atol=1e-5)
 
 
-def per_added_layer_bytes(build, patched: bool, length: int, bf16: bool) -> float:
+def per_added_layer_bytes(build, patched, length: int, bf16: bool) -> float:
     """Ledger bytes per token per added layer in units of h: (2 layers - 1 layer) at batch 2 minus
-    the same at batch 1, so the head, the embeddings and autocast's weight copies cancel out."""
+    the same at batch 1, so the head, the embeddings and autocast's weight copies cancel out.
+    ``patched``: False, or apply_tempo's keyword arguments ({} for its default)."""
     kept = {}
     for layers in (1, 2):
         torch.manual_seed(0)
         model = build(layers).train()
-        if patched:
-            apply_tempo(model)
+        if patched is not False:
+            apply_tempo(model, **patched)
         for batch in (1, 2):
             ids = torch.randint(1, 100, (batch, length), generator=torch.Generator().manual_seed(batch))
             with ActivationLedger(model) as ledger, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -396,14 +423,19 @@ def test_gpt2_ledger_bytes_per_token_per_layer(bf16, capsys):
     needs_gelu()
     build = lambda layers: gpt2(n_layer=layers, n_embd=64, n_head=4)  # noqa: E731
     before = per_added_layer_bytes(build, patched=False, length=32, bf16=bf16)
-    after = per_added_layer_bytes(build, patched=True, length=32, bf16=bf16)
+    paper = per_added_layer_bytes(build, patched=PAPER, length=32, bf16=bf16)
+    default = per_added_layer_bytes(build, patched={}, length=32, bf16=bf16)
     with capsys.disabled():
         print(f"\nGPT-2 (h=64, 4 heads, s=32, {'bf16' if bf16 else 'fp32'}) ledger bytes per token per added layer: "
-              f"{before:.2f} h before apply_tempo, {after:.2f} h after")
-    # Measured: fp32 136.25 h -> 48.62 h, bf16 76.25 h -> 24.62 h. The GELU alone: NewGELUActivation
-    # is written in Python and autograd keeps four 4h-wide tensors (x, tanh(...), 0.5*x, 1 + tanh(...));
-    # InplaceGelu keeps its output, which the next Conv1D keeps anyway, and 1 bit per element (0.5 h).
-    assert after < 0.4 * before
+              f"{before:.2f} h before apply_tempo, {paper:.2f} h with the paper's layers, {default:.2f} h with "
+              f"the default")
+    # Measured: fp32 136.25 h -> 48.62 h (paper's layers) / 56.88 h (default), bf16 76.25 h -> 24.62 h /
+    # 28.88 h. At s = 32 the paper's s x s probabilities (4 heads x 32 keys) cost less than what the
+    # efficient attention keeps for its O(s) backward; the probabilities grow with s, the rest does not.
+    # The GELU alone: NewGELUActivation is written in Python and autograd keeps four 4h-wide tensors
+    # (x, tanh(...), 0.5*x, 1 + tanh(...)); InplaceGelu keeps its output, which the next Conv1D keeps
+    # anyway, and 1 bit per element (0.5 h).
+    assert paper < 0.4 * before and default < 0.5 * before
     gelu_only = {}
     for patched in (False, True):
         def build_gelu(layers, patched=patched):
@@ -443,25 +475,35 @@ def test_plain_module_tree(caplog):
     assert all(modules[k] is m for k, m in model.named_modules(remove_duplicate=False))
 
 
-def test_attention_needs_attention_interface(monkeypatch):
+@pytest.mark.parametrize("attention", [True, "tempo", "efficient"])
+def test_attention_needs_attention_interface(attention, monkeypatch, caplog):
+    """An attention the caller names raises before anything changes; the default leaves the
+    attention alone, says so in one line, and swaps the rest."""
     monkeypatch.setattr(hf_attention, "_attention_interface", lambda: None)
     model = bert_mlm()
     with pytest.raises(ImportError, match=r"transformers >= 4\.50"):
-        apply_tempo(model)
+        apply_tempo(model, attention=attention)
     assert tempo_patched(model) == {"attention": 0}  # nothing changed before the error
-    apply_tempo(model, gelu=False, attention=False)
-    assert tempo_patched(model) == {"InplaceLayerNorm": 6, "attention": 0}
+    with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
+        apply_tempo(model)
+    assert tempo_patched(model) == {**BERT_DEFAULT, "attention": 0} and model.config._attn_implementation == "eager"
+    assert sum("attention left as it is" in m and "4.50" in m for m in caplog.messages) == 1
 
 
-def test_attention_needs_a_dispatching_model(monkeypatch):
+def test_attention_needs_a_dispatching_model(monkeypatch, caplog):
     monkeypatch.setattr(hf_attention, "model_dispatches_attention", lambda model: False)
     with pytest.raises(ImportError, match="attention=False"):
-        apply_tempo(bert_mlm())
+        apply_tempo(bert_mlm(), attention="efficient")
+    with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
+        model = apply_tempo(bert_mlm())
+    assert tempo_patched(model)["attention"] == 0 and model.config._attn_implementation == "eager"
+    assert any("attention left as it is: BertForMaskedLM" in m and "AttentionInterface" in m for m in caplog.messages)
 
 
 def test_dispatch_detection_on_this_version():
     assert hf_attention.model_dispatches_attention(bert_mlm())
     assert hf_attention.model_dispatches_attention(gpt2())
+    assert not hf_attention.model_dispatches_attention(nn.Sequential(nn.Linear(2, 2)))  # no attention layer
 
 
 class _Attn(nn.Module):
@@ -513,7 +555,9 @@ def test_minilm_checkpoint_same_hidden_state():
         reference = model(**batch).last_hidden_state
         apply_tempo(model, gelu=HAVE_GELU)
         patched = model(**batch).last_hidden_state
-    assert tempo_patched(model) == {**({"InplaceGelu": 6} if HAVE_GELU else {}), "InplaceLayerNorm": 13, "attention": 1}
+    # 6 layers x 2 residual blocks fused; the embeddings' LayerNorm swapped.
+    assert tempo_patched(model) == {**({"InplaceGelu": 6} if HAVE_GELU else {}), "FusedResidualOutput": 12,
+                                    "InplaceLayerNorm": 1, "attention": 1}
     valid = batch["attention_mask"].bool()
     torch.testing.assert_close(patched[valid], reference[valid], atol=1e-4, rtol=0)
 
@@ -637,13 +681,13 @@ def test_failure_while_planning_leaves_the_model_as_it_was(monkeypatch):
     before, state = structure(model), snapshot(model)
     real, calls = patch._make_layernorm, []
 
-    def third_fails(old):
+    def second_fails(old):  # the MLM head's LayerNorm: after the fused blocks were built
         calls.append(old)
-        if len(calls) == 3:
+        if len(calls) == 2:
             raise RuntimeError("injected failure")
         return real(old)
 
-    monkeypatch.setattr(patch, "_make_layernorm", third_fails)
+    monkeypatch.setattr(patch, "_make_layernorm", second_fails)
     with pytest.raises(RuntimeError, match="injected failure"):
         apply_tempo(model, gelu=HAVE_GELU)
     assert structure(model) == before
@@ -669,7 +713,7 @@ def test_failure_while_applying_undoes_the_swaps(monkeypatch):
     assert tempo_patched(model) == {"attention": 0} and model.config._attn_implementation == "eager"
     monkeypatch.undo()
     apply_tempo(model, gelu=HAVE_GELU)  # and it still works afterwards
-    assert tempo_patched(model)["InplaceLayerNorm"] == 6 and tempo_patched(model)["attention"] == 1
+    assert tempo_patched(model)["FusedResidualOutput"] == 4 and tempo_patched(model)["attention"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,7 +745,7 @@ def test_config_asking_for_attention_weights_keeps_its_attention(caplog):
     with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
         apply_tempo(model, gelu=HAVE_GELU)
     assert model.config._attn_implementation == "eager" and tempo_patched(model)["attention"] == 0
-    assert tempo_patched(model)["InplaceLayerNorm"] == 6
+    assert tempo_patched(model)["FusedResidualOutput"] == 4 and tempo_patched(model)["InplaceLayerNorm"] == 2
     assert any("output_attentions=True" in m for m in caplog.messages)
     ids, mask = padded_batch()
     with torch.no_grad():
@@ -730,7 +774,7 @@ with torch.device("meta"):
     model = transformers.BertForMaskedLM(config)
     apply_tempo(model)  # the Tempo kernels are first imported here, under the meta device
 counts = tempo_patched(model)
-assert counts == {"InplaceGelu": 3, "InplaceLayerNorm": 6, "attention": 1}, counts
+assert counts == {"InplaceGelu": 3, "InplaceLayerNorm": 2, "FusedResidualOutput": 4, "attention": 1}, counts
 assert all(p.is_meta for p in model.parameters())
 model.to_empty(device="cpu")
 model.load_state_dict(reference.state_dict())

@@ -78,9 +78,10 @@ def test_fused_blocks_keep_no_mask_and_the_floor_keeps_less():
             sizes.append(ledger.activation_bytes)
         return (sizes[1] - sizes[0]) / 32
 
-    paper = per_token(lambda m: apply_tempo(m))
+    paper = per_token(lambda m: apply_tempo(m, attention="tempo", dropout_add_layernorm=False))
     floor = per_token(lambda m: apply_tempo(m, attention="efficient", dropout_add_layernorm=True))
     assert floor < paper
+    assert per_token(apply_tempo) == floor  # the default is the floor
 
 
 def test_unknown_attention_argument_is_named():

@@ -30,7 +30,7 @@ def bert_layer_ledger(variant: str, seq_len: int, batch: int, dtype: torch.dtype
         return _hf_layer_ledger(variant[3:], config, seq_len, batch, dtype, device)
     options = {
         "original": TempoChoice.original(attention="eager"),
-        "tempo": TempoChoice.full(attention="tempo"),
+        "tempo": TempoChoice.paper(),
         "original+sdpa": TempoChoice.original(attention="sdpa"),
         "tempo+sdpa": TempoChoice.full(attention="sdpa"),
         # every Tempo layer, efficient attention and the fused dropout-add-LayerNorm
@@ -77,15 +77,20 @@ def _hf_layer_ledger(attn_impl: str, config: Any, seq_len: int, batch: int, dtyp
 
 
 # -- per added layer in a stack (what a deeper model pays per layer) --------------------------
-STACK_VARIANTS = ("original", "tempo", "tempo-floor", "hf-eager", "hf-tempo", "hf-tempo-floor")
-_STACK_CHOICES = {"original": TempoChoice.original(attention="eager"), "tempo": TempoChoice.full(attention="tempo"),
+STACK_VARIANTS = ("original", "tempo", "tempo-floor", "hf-eager", "hf-tempo-paper", "hf-tempo-floor")
+_STACK_CHOICES = {"original": TempoChoice.original(attention="eager"), "tempo": TempoChoice.paper(),
                   "tempo-floor": TempoChoice.floor()}
+# apply_tempo's arguments per HF column, each written out: a column keeps meaning what its header says
+# whatever apply_tempo's default is (today the floor, TempoChoice.default()).
+_HF_APPLY = {"hf-tempo-paper": dict(gelu=True, layernorm=True, attention="tempo", dropout_add_layernorm=False),
+             "hf-tempo-floor": dict(gelu=True, layernorm=True, attention="efficient", dropout_add_layernorm=True)}
 
 
 def _stack_model(variant: str, layers: int, config: Any, device: str) -> tuple[Any, Any]:
     """(model, forward(ids)) for ``layers`` encoder layers: ours with a TempoChoice, or HF's BertModel
-    (hf-eager as transformers builds it, hf-tempo after apply_tempo, hf-tempo-floor after
-    apply_tempo(attention="efficient", dropout_add_layernorm=True))."""
+    (hf-eager as transformers builds it, hf-tempo-paper after apply_tempo with the paper's three
+    layers, hf-tempo-floor after apply_tempo with every layer and the efficient attention, which is
+    apply_tempo(model)'s default)."""
     torch.manual_seed(0)
     if variant.startswith("hf-"):
         import transformers
@@ -97,10 +102,8 @@ def _stack_model(variant: str, layers: int, config: Any, device: str) -> tuple[A
             num_attention_heads=config.num_attention_heads, intermediate_size=config.intermediate_size,
             max_position_embeddings=config.max_position_embeddings, attn_implementation="eager")
         model = transformers.BertModel(hf_config, add_pooling_layer=False).to(device).train()
-        if variant == "hf-tempo":
-            apply_tempo(model)
-        elif variant == "hf-tempo-floor":
-            apply_tempo(model, attention="efficient", dropout_add_layernorm=True)
+        if variant in _HF_APPLY:
+            apply_tempo(model, **_HF_APPLY[variant])
         return model, lambda ids: model(input_ids=ids)
     from dataclasses import replace
 

@@ -26,19 +26,8 @@ import sys
 from dataclasses import asdict
 from typing import Callable
 
-from tempo.train.max_batch import ProbeError, SearchError, search_max_batch
-
-# Lower-cased substrings that identify "did not fit": PyTorch's CUDA/CPU OOM messages
-# ("CUDA out of memory", "OutOfMemoryError", our simulated one) and cuBLAS failing to allocate
-# its workspace, which is how an OOM inside a GEMM sometimes surfaces.
-OOM_MARKERS = ("out of memory", "outofmemoryerror", "cublas_status_alloc_failed")
-
-
-
-
-def is_oom_output(text: str) -> bool:
-    lower = text.lower()
-    return any(marker in lower for marker in OOM_MARKERS)
+# OOM_MARKERS/is_oom_output: one rule for "did not fit", shared with AutoTempo's probes.
+from tempo.train.max_batch import OOM_MARKERS, ProbeError, SearchError, is_oom_output, search_max_batch  # noqa: F401
 
 
 def command_probe(template: str, timeout: float | None = None, verbose: bool = True) -> Callable[[int], bool]:

@@ -15,7 +15,7 @@ flags you give. Technique matrix (``--techniques all`` or a comma list of the na
   compile        + torch.compile on top of tempo-sdpa
 
 accum and ckpt are alternatives to compare against, not stacked into the Tempo rows (they
-would hide what Tempo alone gives). Tempo rows use the paper's layer kinds (tempo.choices.DEFAULT_KINDS); the row
+would hide what Tempo alone gives). Tempo rows use the paper's layer kinds (tempo.choices.PAPER_KINDS); the row
 records which.
 
 Each row runs in a fresh subprocess (``--no-isolate`` runs them in this process: faster, but an
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tempo.choices import DEFAULT_KINDS, LAYER_KINDS
+from tempo.choices import PAPER_KINDS, LAYER_KINDS
 from tempo.bench.common import OOM_EXIT, BenchError, SimulatedOOM
 from tempo.bench.train_bench import (
     TrainBenchConfig,
@@ -63,7 +63,7 @@ def doubling(start: int, stop: int) -> list[int]:
 
 
 def technique_configs(base: TrainBenchConfig, names: tuple[str, ...]) -> list[tuple[str, TrainBenchConfig]]:
-    tempo_kinds = DEFAULT_KINDS
+    tempo_kinds = PAPER_KINDS
     all_kinds = ",".join(tempo_kinds)
     no_attention = ",".join(k for k in tempo_kinds if k != "attention")
     plain = dict(tempo_layers="", attention="eager", grad_ckpt=False, grad_accum=1, compile=False)

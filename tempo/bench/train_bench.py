@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tempo.choices import ATTENTIONS, DEFAULT_KINDS, LAYER_KINDS, ChoiceError, TempoChoice, parse_kinds
+from tempo.choices import ATTENTIONS, PAPER_KINDS, LAYER_KINDS, ChoiceError, TempoChoice, parse_kinds
 from tempo.bench import anatomy as anat
 from tempo.bench.flops import FORMULAS, bert_pretraining_flops, default_max_predictions, flops_per_sequence, mfu
 from tempo.bench.hardware import device_name, environment, peak_tflops
@@ -117,8 +117,9 @@ def add_train_args(p: argparse.ArgumentParser, with_batch_size: bool = True) -> 
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
-    p.add_argument("--tempo", action="store_true", help=f"every Tempo layer with efficient attention (= --tempo-layers {','.join(LAYER_KINDS)} "
-                        f"--attention efficient); the paper's: --tempo-layers {','.join(DEFAULT_KINDS)}")
+    p.add_argument("--tempo", action="store_true", help=f"the default: every Tempo layer with efficient attention (= --tempo-layers "
+                        f"{','.join(LAYER_KINDS)} --attention efficient); the paper's: --tempo-layers "
+                        f"{','.join(PAPER_KINDS)} --attention tempo")
     p.add_argument("--tempo-layers", "--tempo_layers", dest="tempo_layers", default="",
                    help=f"comma list of Tempo layer kinds to turn on: {','.join(LAYER_KINDS)}")
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
@@ -138,9 +139,10 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainBenchCo
     names = {f.name for f in fields(TrainBenchConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     if getattr(args, "tempo", False):
-        values["tempo_layers"] = ",".join(LAYER_KINDS)  # --tempo: the best Tempo has, as in the trainers
+        default = TempoChoice.default()  # --tempo: the one default, as in the trainers and apply_tempo
+        values["tempo_layers"] = ",".join(default.kinds)
         if values.get("attention") is None:
-            values["attention"] = "efficient"
+            values["attention"] = default.attention
     values.update(overrides)
     return TrainBenchConfig(**values)
 

@@ -15,13 +15,26 @@ Measurements come from a ``measure(model_factory, batch_size) -> (fits, samples_
 callable (a third element, bytes used, is shown in the table when given). The default,
 ``DefaultMeasure``, trains a few steps of the model on ``batch_factory(batch_size)``:
   * on CUDA, "fits" means no out-of-memory error (and peak allocated <= ``memory_budget`` if
-    one is given);
+    one is given). Every form of OOM counts, by the one rule ``max-batch`` uses
+    (``tempo.train.max_batch.is_oom_error``): torch's OutOfMemoryError, cuBLAS's
+    CUBLAS_STATUS_ALLOC_FAILED RuntimeError, "CUDA error: out of memory". Each probe runs in a
+    process of its own (``isolate``, on by default on CUDA), as each ``max-batch`` probe does:
+    an OOM, the allocator's fragmentation and cached blocks, a corrupted CUDA context never
+    reach the next probe or the caller. Probe processes come from a fork server (spawn where
+    there is none), never from a fork of this process, and get their factories pickled: pass
+    module-level functions or ``functools.partial`` of them (lambdas and closures are measured in
+    this process instead, with one warning). A probe process killed by SIGKILL (the kernel's OOM
+    killer) counts as "does not fit"; any other failure raises ``ProbeError`` naming the batch,
+    with the probe's traceback;
   * on the CPU, where running out of memory cannot be observed safely, "fits" means
     weights + gradients + optimizer states + the activations autograd keeps (ActivationLedger)
     <= ``memory_budget``. Without a budget everything fits.
 The batch search is the bench harness's ``search_max_batch`` (doubling, then bisection).
 
-    result = auto_tempo(lambda: BertForMaskedLM(config), lambda b: make_batch(b),
+Which Tempo: the default is ``TempoChoice.default()`` (every layer kind, efficient attention),
+what ``apply_tempo(model)`` and ``--tempo`` mean; ``kinds`` restricts it (``TempoChoice.default(kinds)``).
+
+    result = auto_tempo(functools.partial(BertForMaskedLM, config), make_batch,
                         policy="fast", memory_budget="2GiB")
     model = result.apply(BertForMaskedLM(config))
     print(result.format_table())
@@ -33,19 +46,24 @@ model (one ``attn_implementation`` per config), so it is never limited to some l
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import multiprocessing
+import pickle
+import signal
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from tempo.choices import DEFAULT_KINDS, LAYER_KINDS, TEMPO_ATTENTIONS, TempoChoice
+from tempo.choices import LAYER_KINDS, PAPER_KINDS, TEMPO_ATTENTIONS, TempoChoice
 from tempo.memory import gradient_bytes, optimizer_state_bytes, weight_bytes
 from tempo.train.step import TrainStep, to_device
-from tempo.train.max_batch import search_max_batch
+from tempo.train.max_batch import ProbeError, is_oom_error, search_max_batch
 from tempo.utils import parse_bytes
 from tempo.integrations.patch import apply_tempo
 
@@ -105,25 +123,135 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.optimizer_states + self.activations
 
 
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """DefaultMeasure's optimizer: AdamW at 1e-4 (module-level, so a spawned probe can pickle it)."""
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _probe_child(conn: Any, measure: Callable[[ModelFactory, int], Any], model_factory: ModelFactory,
+                 batch_size: int) -> None:
+    """In the probe process: measure once, send ("result", tuple) or ("error", type, message, traceback)."""
+    try:
+        message: tuple = ("result", tuple(measure(model_factory, batch_size)))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, which decides
+        message = ("error", type(exc).__name__, str(exc), traceback.format_exc())
+    try:
+        conn.send(message)
+    finally:
+        conn.close()
+
+
+_PROBE_CONTEXT = None
+
+
+def _probe_context() -> Any:
+    """Where probe processes come from: a fork server where the platform has one, else spawn.
+
+    Not a fork of this process: a forked child cannot use a CUDA context its parent created, and
+    one forked after this process ran OpenMP-parallel ops (any intra-op-threaded CPU op) can hang
+    in its first parallel region (GNU libgomp is not fork-safe). The fork server is a fresh
+    interpreter that has done neither; it imports torch once, so each probe starts in a fraction of
+    a second instead of spawn's full interpreter start. Either way the probe's arguments travel
+    pickled."""
+    global _PROBE_CONTEXT
+    if _PROBE_CONTEXT is None:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            _PROBE_CONTEXT = multiprocessing.get_context("forkserver")
+            # Preloaded once in the server, not per probe (torch.optim's first step imports torch._dynamo:
+            # ~1 s a probe otherwise). Only speeds up a server not yet started; one already running is used.
+            _PROBE_CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "tempo.integrations.autotempo"])
+        else:
+            _PROBE_CONTEXT = multiprocessing.get_context("spawn")
+    return _PROBE_CONTEXT
+
+
+def probe_pickles(measure: Callable[[ModelFactory, int], Any], model_factory: ModelFactory) -> Optional[str]:
+    """None when a probe of (measure, model_factory) can be sent to a process of its own, else why not."""
+    try:
+        pickle.dumps((measure, model_factory))
+    except Exception as exc:  # noqa: BLE001 - pickling raises PicklingError, AttributeError, TypeError, ...
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def run_probe_isolated(measure: Callable[[ModelFactory, int], Any], model_factory: ModelFactory, batch_size: int,
+                       timeout: Optional[float] = None) -> tuple:
+    """``measure(model_factory, batch_size)`` in a process of its own (``_probe_context``); returns its
+    result. ``measure`` and ``model_factory`` must pickle (module-level functions, functools.partial
+    of them, picklable objects): otherwise ValueError, naming what to pass instead.
+
+    An out-of-memory error in the probe (``is_oom_error``), or the probe killed by SIGKILL (the
+    kernel's OOM killer), is (False, 0.0, None): does not fit. Anything else raises
+    ProbeError(batch_size, ...) with the probe's traceback; so does a probe still running after
+    ``timeout`` seconds (it is killed).
+    """
+    why = probe_pickles(measure, model_factory)
+    if why is not None:
+        raise ValueError(f"auto_tempo: the probe for batch {batch_size} cannot be sent to a process of its own "
+                         f"({why}). Pass model_factory and batch_factory as module-level functions (or "
+                         "functools.partial of them), or DefaultMeasure(isolate=False)")
+    context = _probe_context()
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_probe_child, args=(send, measure, model_factory, batch_size), daemon=True,
+                              name=f"tempo-autotempo-probe-{batch_size}")
+    process.start()
+    send.close()  # the child holds its end: EOF here when it dies without sending
+    message = None
+    try:
+        if timeout is not None and not receive.poll(timeout):
+            process.kill()
+            raise ProbeError(batch_size, f"the probe process ran longer than {timeout} s and was killed")
+        message = receive.recv()
+    except EOFError:
+        pass
+    finally:
+        receive.close()
+        process.join()
+    if message is None:
+        if process.exitcode == -signal.SIGKILL:
+            logger.warning("auto_tempo: the probe for batch %d was killed by SIGKILL, as the kernel's out-of-memory "
+                           "killer does: counted as 'does not fit'", batch_size)
+            return False, 0.0, None
+        raise ProbeError(batch_size, f"the probe process ended with exit code {process.exitcode} without a result")
+    if message[0] == "result":
+        return message[1]
+    _, name, text, trace = message
+    if is_oom_error(RuntimeError(f"{name}: {text}")):  # a measure that let an OOM escape
+        return False, 0.0, None
+    raise ProbeError(batch_size, f"{name}: {text}\n{trace.rstrip()}")
+
+
 class DefaultMeasure:
     """Train a few steps and report (fits, samples/s, bytes); see the module docstring.
 
     ``optimizer_factory`` (default AdamW) gets the model's parameters. ``autocast_dtype`` runs
     the forward under torch.autocast. Timing: ``warmup`` untimed steps, then ``steps`` timed.
+    ``isolate`` (default: on for CUDA, off for the CPU's estimate): each probe in a process of its
+    own (``run_probe_isolated``), which needs factories that pickle; by default factories that do
+    not (lambdas, closures) are measured in this process instead, with one warning; ``isolate=True``
+    raises for them. ``probe_timeout`` seconds per isolated probe (None: no limit).
     """
 
     def __init__(self, batch_factory: BatchFactory, memory_budget: Union[int, str, None] = None,
                  device: Union[str, torch.device, None] = None, steps: int = 3, warmup: int = 1,
                  optimizer_factory: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None,
-                 autocast_dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = 1.0):
+                 autocast_dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = 1.0,
+                 isolate: Optional[bool] = None, probe_timeout: Optional[float] = None):
         self.batch_factory = batch_factory
         self.memory_budget = parse_bytes(memory_budget)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.steps = steps
         self.warmup = max(1, warmup)  # the first step also sizes the optimizer states
-        self.optimizer_factory = optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=1e-4))
+        self.optimizer_factory = optimizer_factory or default_optimizer
         self.autocast_dtype = autocast_dtype
         self.max_grad_norm = max_grad_norm
+        self.isolate = self.device.type == "cuda" if isolate is None else bool(isolate)
+        self.isolate_by_default = isolate is None  # then factories that do not pickle run here, logged once
+        self._warned_in_process = False
+        if probe_timeout is not None and not probe_timeout > 0:
+            raise ValueError(f"DefaultMeasure: argument 'probe_timeout' must be > 0 seconds or None, "
+                             f"got {probe_timeout!r}")
+        self.probe_timeout = probe_timeout
 
     @property
     def precision(self) -> str:
@@ -153,6 +281,23 @@ class DefaultMeasure:
                               optimizer_states=optimizer_state_bytes(optimizer), activations=activations)
 
     def __call__(self, model_factory: ModelFactory, batch_size: int) -> tuple[bool, float, Optional[int]]:
+        isolate = self.isolate
+        if self.isolate_by_default and isolate:
+            why = probe_pickles(self.measure_here, model_factory)
+            if why is not None:
+                isolate = False
+                if not self._warned_in_process:
+                    self._warned_in_process = True
+                    logger.warning("auto_tempo: probes run in this process, not each in its own (%s): an OOM's "
+                                   "aftermath (fragmentation, cached blocks) may reach later probes. Pass module-level "
+                                   "model_factory/batch_factory (or functools.partial of them) to isolate them", why)
+        if isolate:
+            return run_probe_isolated(self.measure_here, model_factory, batch_size, self.probe_timeout)
+        return self.measure_here(model_factory, batch_size)
+
+    def measure_here(self, model_factory: ModelFactory, batch_size: int) -> tuple[bool, float, Optional[int]]:
+        """One probe in this process: (fits, samples/s, bytes); an out-of-memory error is "does not fit"."""
+        model = optimizer = batch = step = None
         try:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -180,7 +325,11 @@ class DefaultMeasure:
                 if self.memory_budget is not None and used > self.memory_budget:
                     return False, 0.0, used
             return True, batch_size * self.steps / elapsed, used
-        except torch.cuda.OutOfMemoryError:
+        except Exception as exc:  # noqa: BLE001 - every OOM form is "does not fit"; anything else is raised
+            if not is_oom_error(exc):
+                raise
+            logger.debug("batch %d does not fit: %s: %s", batch_size, type(exc).__name__, str(exc).splitlines()[0]
+                         if str(exc) else "")
             return False, 0.0, None
         finally:
             model = optimizer = batch = step = None  # noqa: F841 - free before the next probe
@@ -250,7 +399,8 @@ class _Measurer:
     def __call__(self, choice: TempoChoice, batch_size: int) -> Measurement:
         key = (choice, batch_size)
         if key not in self._cache:
-            result = tuple(self.measure(lambda: apply_choice(choice, self.model_factory()), batch_size))
+            # A partial of module-level pieces, not a lambda: an isolated probe may have to pickle it.
+            result = tuple(self.measure(functools.partial(build_with_choice, choice, self.model_factory), batch_size))
             fits, samples_per_s = bool(result[0]), float(result[1]) if result[0] else 0.0
             memory = result[2] if len(result) > 2 else None
             record = Measurement(choice, batch_size, fits, samples_per_s, memory)
@@ -281,24 +431,31 @@ def _still_rising(curve: list[Measurement], min_gain: float) -> tuple[bool, str]
                     f"at {top.batch_size} ({gain:+.0%}, threshold {min_gain:+.0%})")
 
 
-def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = DEFAULT_KINDS) -> list[TempoChoice]:
-    """No Tempo, each kind alone, all kinds, and all kinds on the first 1/4, 1/2, 3/4 of the layers;
-    with the paper's three kinds also every Tempo layer with efficient attention (the floor)."""
-    candidates = [TempoChoice.none()] + [TempoChoice.full([k]) for k in kinds]
+def build_with_choice(choice: TempoChoice, model_factory: ModelFactory) -> nn.Module:
+    """``apply_choice(choice, model_factory())``: the model a measurement of ``choice`` trains."""
+    return apply_choice(choice, model_factory())
+
+
+def default_candidates(num_layers: Optional[int], kinds: Sequence[str] = LAYER_KINDS) -> list[TempoChoice]:
+    """No Tempo, each kind alone, all ``kinds`` of the default together (``TempoChoice.default(kinds)``:
+    with every kind, the default itself), and those on the first 1/4, 1/2, 3/4 of the layers; with
+    the paper's three kinds among ``kinds`` also the paper's combination (Combined attention)."""
+    candidates = [TempoChoice.none()] + [TempoChoice.default([k]) for k in kinds]
+    everything = TempoChoice.default(kinds)
     if len(kinds) > 1:
-        candidates.append(TempoChoice.full(kinds))
-    if set(DEFAULT_KINDS) <= set(kinds):
-        candidates.append(TempoChoice.floor())
+        candidates.append(everything)
+    if set(PAPER_KINDS) <= set(kinds) and TempoChoice.paper() not in candidates:
+        candidates.append(TempoChoice.paper())
     if num_layers:
         for k in sorted({max(1, num_layers * q // 4) for q in (1, 2, 3)} - {num_layers}):
-            candidates.append(replace(TempoChoice.full(kinds), first_layers=k))
+            candidates.append(replace(everything, first_layers=k))
     return candidates
 
 
 def auto_tempo(model_factory: ModelFactory, batch_factory: Optional[BatchFactory] = None, policy: str = "fast",
                memory_budget: Union[int, str, None] = None, measure: Optional[Measure] = None,
                start_batch: int = 1, max_batch: Optional[int] = 1024, min_gain: float = 0.05,
-               kinds: Sequence[str] = DEFAULT_KINDS, candidates: Optional[Sequence[TempoChoice]] = None,
+               kinds: Sequence[str] = LAYER_KINDS, candidates: Optional[Sequence[TempoChoice]] = None,
                device: Union[str, torch.device, None] = None) -> AutoTempoResult:
     """Choose how to apply Tempo to the models ``model_factory`` builds; see the module docstring.
 
@@ -306,8 +463,10 @@ def auto_tempo(model_factory: ModelFactory, batch_factory: Optional[BatchFactory
     tuple of positional args, or one tensor) for the default measure; ``measure`` replaces that
     default. ``max_batch`` caps the search (on CPU without a budget nothing runs out).
     ``min_gain``: "fast" applies Tempo when the last doubling before memory ran out gained more
-    than this fraction of samples/s. ``kinds`` limits the layer kinds considered (e.g. without
-    "attention" for non-HF models); ``candidates`` replaces smart's default list.
+    than this fraction of samples/s. "Tempo" is the default choice (every kind, efficient
+    attention); ``kinds`` limits the layer kinds considered (e.g. without "attention" for non-HF
+    models); ``candidates`` replaces smart's default list. A probe that fails for a reason other
+    than memory raises (SearchError/ProbeError naming the batch on an isolated probe).
     """
     if policy not in ("fast", "smart"):
         raise ValueError(f"policy must be 'fast' or 'smart', got {policy!r}")
@@ -342,7 +501,7 @@ def _fast(measurer: _Measurer, start: int, max_batch: Optional[int], min_gain: f
     if not rising:
         return AutoTempoResult("fast", plain, plain_max, curve[-1].samples_per_s, why + ": no Tempo",
                                measurer.records)
-    tempo = TempoChoice.full(kinds)
+    tempo = TempoChoice.default(kinds)
     tempo_max = measurer.max_batch(tempo, max(plain_max, start), max_batch)
     if tempo_max <= plain_max:
         rate = curve[-1].samples_per_s if curve else 0.0
@@ -379,4 +538,4 @@ def _smart(measurer: _Measurer, model_factory: ModelFactory, start: int, max_bat
 
 
 __all__ = ["apply_choice", "auto_tempo", "AutoTempoResult", "DefaultMeasure", "Measurement", "MemoryEstimate", "TempoChoice",
-           "default_candidates", "transformer_blocks"]
+           "build_with_choice", "default_candidates", "default_optimizer", "run_probe_isolated", "transformer_blocks"]

@@ -11,11 +11,22 @@ ELECTRA, DistilBERT, GPT-2, Llama, ... in recent transformers) call the function
     transformers 5.x builds no mask at all for an unknown implementation name: padding would be
     silently ignored.
 
-Attention weights: Combined keeps no probabilities, so a call that asks for them
+Attention weights: Tempo's attentions keep no probabilities, so a call that asks for them
 (``output_attentions=True``, which transformers 5.x records with output-capturing hooks and older
 versions pass as a keyword) runs the model's own eager attention for that call instead, logged
 once on ``logging.getLogger("tempo.integrations.hf_attention")``, and returns its weights, as an
-unpatched eager model would. Without this, transformers would hand back an empty tuple.
+unpatched eager model would. Without this, transformers would hand back an empty tuple. Eager
+attention *adds* its mask to the scores, so it gets the additive mask eager's own mask function
+builds (0 where a key is attended, ``finfo(dtype).min`` where not): "tempo" registers eager's mask
+function, so its mask already is that; "tempo_efficient" registers sdpa's (a boolean mask, or
+None when causality or nothing masks), which ``eager_attention_mask`` turns into eager's: the same
+boolean pattern (padding, causality, sliding windows) as 0 / min, a causal mask built when sdpa's
+function left causality to ``is_causal``, None where nothing is masked. The dtype is that of the
+module's parameters, which is what eager's mask function gets (the embeddings' output dtype).
+``accept_output_attentions`` lets ``config.output_attentions = True`` be set on a patched model
+(transformers 5.x refuses it for any implementation but "eager"): apply_tempo gives the config an
+instance-level subclass (same name, same fields; pickled and copied as itself) whose setter and
+validation accept Tempo's implementations, and revert_tempo gives the original class back.
 
 Versions: ``AttentionInterface`` appeared in transformers 4.50 and ``AttentionMaskInterface`` in
 4.53; before 4.53 each model builds its own eager-style additive mask, so registering the
@@ -42,6 +53,7 @@ logger = logging.getLogger("tempo.integrations.hf_attention")
 
 TEMPO_ATTENTION = "tempo"  # the paper's Combined softmax -> dropout -> matmul
 TEMPO_EFFICIENT_ATTENTION = "tempo_efficient"  # tempo.efficient_attention: O(s) kept per row
+TEMPO_IMPLEMENTATIONS = (TEMPO_ATTENTION, TEMPO_EFFICIENT_ATTENTION)
 MIN_ATTENTION_INTERFACE_VERSION = "4.50"
 MIN_MASK_INTERFACE_VERSION = "4.53"
 
@@ -98,28 +110,121 @@ def register_tempo_attention() -> None:
         masks.register(TEMPO_EFFICIENT_ATTENTION, masks._global_mapping["sdpa"])
 
 
+def _modeling_file_dispatches(module_name: str) -> bool:
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (OSError, TypeError, KeyError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _is_hf_modeling_module(module_name: str) -> bool:
+    # transformers' own models, and remote-code models (trust_remote_code loads them as transformers_modules.*)
+    return module_name.startswith(("transformers.models.", "transformers_modules."))
+
+
 def model_dispatches_attention(model: nn.Module) -> bool:
-    """True when every HF modeling module in ``model`` routes attention through the interface.
+    """True when ``model`` has HF attention layers and each comes from a modeling file that routes
+    attention through the interface (so ``config._attn_implementation`` decides what runs).
 
     The same source heuristic transformers uses for ``set_attn_implementation``: a modeling file
     that defines attention layers but never calls ``ALL_ATTENTION_FUNCTIONS`` computes attention
-    itself and would ignore ``config._attn_implementation``.
+    itself (DeBERTa-v2's DisentangledSelfAttention) and would ignore the setting. Only the files
+    of attention layers (class names containing "Attention") are judged, not the file of the
+    model's root or heads; a model with no such layer does not dispatch (nothing would run Tempo's
+    attention).
     """
-    checked: set[str] = set()
+    verdicts: dict[str, bool] = {}
     for module in model.modules():
-        name = type(module).__module__
-        if name in checked or not name.startswith("transformers.models."):
+        cls = type(module)
+        if "Attention" not in cls.__name__ or not _is_hf_modeling_module(cls.__module__):
             continue
-        checked.add(name)
-        if "Attention" not in type(module).__name__:
-            continue
+        if cls.__module__ not in verdicts:
+            verdicts[cls.__module__] = _modeling_file_dispatches(cls.__module__)
+        if not verdicts[cls.__module__]:
+            return False
+    return bool(verdicts)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.output_attentions = True on a patched model
+# ---------------------------------------------------------------------------------------------
+_BASE_CONFIG_CLASS = "_tempo_base_config_class"  # on an accepting subclass: the class it extends
+_ACCEPTING_CLASSES: dict[type, type] = {}
+
+
+def _rebuild_config(base: type) -> Any:
+    """pickle/copy: an empty instance of ``base``'s accepting subclass (its state is set after)."""
+    return object.__new__(_accepting_class(base))
+
+
+def _accepting_class(base: type) -> type:
+    """A subclass of the config class ``base`` whose ``output_attentions`` setter and validation
+    accept Tempo's implementations (transformers 5.x accepts only "eager"): under them a call that
+    asks for weights runs the model's eager attention, so the weights are eager's."""
+    if base in _ACCEPTING_CLASSES:
+        return _ACCEPTING_CLASSES[base]
+    stock = getattr(base, "output_attentions")
+
+    def set_output_attentions(self, value: bool) -> None:
+        if value and self._attn_implementation in TEMPO_IMPLEMENTATIONS:
+            self.__dict__["_output_attentions"] = value  # what transformers' setter stores
+            if stock.fget(self) != value:
+                raise RuntimeError(f"tempo: {base.__name__}.output_attentions does not read back what was set "
+                                   "in this transformers version; set output_attentions=True per call instead")
+            return
+        stock.fset(self, value)
+
+    def validate(self) -> None:
+        wanted = self.__dict__.get("_output_attentions")
+        if not (wanted and self._attn_implementation in TEMPO_IMPLEMENTATIONS):
+            return base.validate(self)
+        # The one validator that looks at output_attentions refuses every implementation but eager's:
+        # validate everything else as it is, with that flag off for the duration.
+        self.__dict__["_output_attentions"] = False
         try:
-            source = inspect.getsource(sys.modules[name])
-        except (OSError, TypeError, KeyError):
-            return False
-        if "ALL_ATTENTION_FUNCTIONS" not in source:
-            return False
-    return True
+            return base.validate(self)
+        finally:
+            self.__dict__["_output_attentions"] = wanted
+
+    def reduce_ex(self, protocol: int) -> Any:
+        reduced = base.__reduce_ex__(self, protocol)
+        if isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[1][:1] == (type(self),):
+            return (_rebuild_config, (base,)) + tuple(reduced[2:])
+        return reduced
+
+    namespace = {
+        "output_attentions": property(stock.fget, set_output_attentions, doc=stock.__doc__),
+        "__reduce_ex__": reduce_ex,
+        _BASE_CONFIG_CLASS: base,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,  # transformers finds model classes by the config's class name
+        "__doc__": base.__doc__,
+    }
+    if callable(getattr(base, "validate", None)):
+        namespace["validate"] = validate
+    cls = type(base.__name__, (base,), namespace)
+    _ACCEPTING_CLASSES[base] = cls
+    return cls
+
+
+def accept_output_attentions(config: Any) -> Optional[type]:
+    """Give ``config`` (one instance) the accepting subclass; returns the class revert must give
+    back, or None when nothing changed (already accepting, or a transformers whose
+    ``output_attentions`` is a plain attribute that accepts anything)."""
+    cls = type(config)
+    if _BASE_CONFIG_CLASS in cls.__dict__:
+        return None
+    stock = getattr(cls, "output_attentions", None)
+    if not isinstance(stock, property) or stock.fset is None:
+        return None
+    config.__class__ = _accepting_class(cls)
+    return cls
+
+
+def restore_config_class(config: Any, original: type) -> None:
+    """Undo ``accept_output_attentions``."""
+    config.__class__ = original
 
 
 def _default_scaling(module: nn.Module, head_dim: int) -> float:
@@ -180,6 +285,36 @@ def _generic_eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+def _eager_mask_dtype(module: nn.Module, query: Tensor) -> torch.dtype:
+    # Eager's mask function gets the embeddings' output dtype: the parameters' dtype, also under autocast.
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return query.dtype
+
+
+def eager_attention_mask(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Optional[Tensor],
+                         is_causal: bool) -> Optional[Tensor]:
+    """The additive mask the model's eager attention expects, from the mask its Tempo attention got.
+
+    A float mask is eager's already ("tempo" registers eager's mask function) and is returned as it
+    is. A boolean one (sdpa's, True = attend; "tempo_efficient") becomes 0 / ``finfo(dtype).min``,
+    as eager's mask function converts it. None with ``is_causal``: sdpa's function left causality
+    to the flag (no padding, q_len == k_len or q_len == 1), so the causal mask is built here,
+    bottom-right aligned as transformers' cache positions are. None otherwise: nothing is masked.
+    """
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return attention_mask
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    keep = attention_mask
+    if keep is None:
+        if not is_causal or q_len == 1:
+            return None
+        keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
+    dtype = _eager_mask_dtype(module, query)
+    return torch.where(keep, torch.zeros((), dtype=dtype, device=keep.device), torch.finfo(dtype).min)
+
+
 def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Optional[Tensor], scaling: Optional[float], dropout: float,
                        head_mask: Optional[Tensor], kwargs: dict[str, Any]) -> tuple[Tensor, Optional[Tensor]]:
@@ -189,11 +324,14 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     training)`` returns [batch, heads, q_len, head_dim]."""
     if scaling is None:
         scaling = _default_scaling(module, query.shape[-1])
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", False)
     if attention_weights_requested(kwargs):
         if head_mask is not None:
             kwargs["head_mask"] = head_mask
-        return _eager_fallback(module)(module, query, key, value, attention_mask, scaling=scaling,
-                                       dropout=dropout, **kwargs)
+        mask = eager_attention_mask(module, query, key, attention_mask, bool(is_causal))
+        return _eager_fallback(module)(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
         groups = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(groups, dim=1)
@@ -201,9 +339,6 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, : key.shape[-2]]
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", False)
     out = core(query, key, value, mask, scaling, float(dropout), bool(is_causal), module.training)
     if head_mask is not None:
         # Eager multiplies the probabilities by a per-(batch, head) factor; on the output it is the same.
@@ -271,6 +406,10 @@ def tempo_efficient_attention_forward(module: nn.Module, query: Tensor, key: Ten
 
 __all__ = [
     "TEMPO_ATTENTION",
+    "TEMPO_IMPLEMENTATIONS",
+    "accept_output_attentions",
+    "eager_attention_mask",
+    "restore_config_class",
     "TEMPO_EFFICIENT_ATTENTION",
     "tempo_efficient_attention_forward",
     "MIN_ATTENTION_INTERFACE_VERSION",

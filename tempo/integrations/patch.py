@@ -23,14 +23,24 @@ modified, so other models in the process are untouched. What is replaced:
     left alone and logged.
     Activations called as plain functions (e.g. RoBERTa's LM head calls ``gelu(x)``) cannot be
     swapped and stay as they are.
-  * attention (HF models only): the model's ``config._attn_implementation`` becomes "tempo",
-    registered by ``tempo.integrations.hf_attention`` with transformers' AttentionInterface and
-    AttentionMaskInterface. Needs transformers >= 4.50 and a model class whose attention
-    dispatches through the interface; otherwise ImportError, before anything is changed. A model
-    whose config sets ``output_attentions=True`` keeps its attention (Tempo attention keeps no
-    weights to return, so every call would fall back to eager anyway), logged; a call that asks
-    for attention weights on a patched model gets them from the model's eager attention for that
-    call (logged once, see hf_attention).
+  * attention (HF models only): the model's ``config._attn_implementation`` becomes
+    "tempo_efficient" (the default, ``attention="efficient"``) or "tempo" (``attention=True`` or
+    "tempo": the paper's Combined), registered by ``tempo.integrations.hf_attention`` with
+    transformers' AttentionInterface and AttentionMaskInterface. Needs transformers >= 4.50 and a
+    model whose attention layers dispatch through the interface (``model_dispatches_attention``).
+    Where that is missing, an attention the caller named raises ImportError before anything is
+    changed; the default leaves the attention as it is and says so in one INFO line, so
+    ``apply_tempo(model)`` on DeBERTa-v2 (its own attention) swaps what it can and reports no
+    attention swap. A model whose config sets ``output_attentions=True`` keeps its attention
+    (Tempo attention keeps no weights to return, so every call would fall back to eager anyway),
+    logged; a call that asks for attention weights on a patched model gets them from the model's
+    eager attention, with eager's additive mask, for that call (logged once, see hf_attention),
+    and ``model.config.output_attentions = True`` works on a patched model (the config gets an
+    instance-level subclass that accepts it; revert_tempo gives the original class back).
+
+The default, ``apply_tempo(model)``, is ``tempo.choices.TempoChoice.default()``: every kind with
+the efficient attention, what the trainers' ``--tempo`` means too. The paper's three layers:
+``apply_tempo(model, attention="tempo", dropout_add_layernorm=False)``.
 
 All or nothing: every replacement is built first, then all are swapped in; if anything fails
 (building a replacement, switching the attention) the model is left exactly as it was and the
@@ -55,7 +65,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from tempo.choices import TempoChoice
+
 logger = logging.getLogger("tempo.integrations.patch")
+
+# apply_tempo's defaults: the one default of tempo.choices (the trainers' --tempo means it too).
+_DEFAULT = TempoChoice.default()
 
 _ORIGINAL = "_tempo_original"  # on a replacement: the module it replaced
 _STATE = "_tempo_patch_state"  # on the root model: what apply_tempo changed outside the tree
@@ -292,21 +307,24 @@ def _restore_attention(model: nn.Module, previous: list[tuple[Any, str]]) -> Non
         config._attn_implementation = implementation
 
 
-def _attention_implementation(attention: bool | str) -> Optional[str]:
-    """apply_tempo's ``attention`` argument -> the attn_implementation to set (None: leave it)."""
+def _attention_implementation(attention: bool | str | None) -> Optional[str]:
+    """apply_tempo's ``attention`` argument -> the attn_implementation to set (None: leave it).
+    None is the default choice's attention (TempoChoice.default().attention)."""
     from tempo.integrations.hf_attention import TEMPO_ATTENTION, TEMPO_EFFICIENT_ATTENTION
 
-    if attention is False or attention is None:
+    if attention is None:
+        attention = _DEFAULT.attention if _DEFAULT.attention in ("tempo", "efficient") else False
+    if attention is False:
         return None
     choices = {True: TEMPO_ATTENTION, "tempo": TEMPO_ATTENTION, "efficient": TEMPO_EFFICIENT_ATTENTION}
-    if attention not in choices:
-        raise ValueError(f"apply_tempo: argument 'attention' must be True, False, 'tempo' or 'efficient', "
-                         f"got {attention!r}")
+    if isinstance(attention, (int, float)) and not isinstance(attention, bool) or attention not in choices:
+        raise ValueError(f"apply_tempo: argument 'attention' must be None (the default), True, False, 'tempo' "
+                         f"or 'efficient', got {attention!r}")
     return choices[attention]
 
 
 def _patch_attention(model: nn.Module, state: dict[str, Any], implementation: str) -> bool:
-    from tempo.integrations.hf_attention import register_tempo_attention
+    from tempo.integrations.hf_attention import accept_output_attentions, register_tempo_attention, restore_config_class
 
     configs = _configs_of(model)
     if not configs:
@@ -316,20 +334,30 @@ def _patch_attention(model: nn.Module, state: dict[str, Any], implementation: st
         return False
     previous = [(config, config._attn_implementation) for config in configs]
     register_tempo_attention()
+    classes: list[tuple[Any, type]] = []
     try:
         _set_attn_implementation(model, implementation)
         if any(c._attn_implementation != implementation for c in configs):
             raise RuntimeError(f"could not set attn_implementation={implementation!r} on {type(model).__name__}")
+        # config.output_attentions = True must keep working (a call asking for weights runs eager attention).
+        for config in configs:
+            original = accept_output_attentions(config)
+            if original is not None:
+                classes.append((config, original))
     except BaseException:
+        for config, original in classes:
+            restore_config_class(config, original)
         _restore_attention(model, previous)
         raise
     state["attention"] = previous
+    state["config_classes"] = classes
     logger.info("attention: %s -> %s (%d config%s)", previous[0][1], implementation, len(configs),
                 "" if len(configs) == 1 else "s")
     return True
 
 
 def _check_attention_possible(model: nn.Module) -> None:
+    """ImportError unless switching this model's attn_implementation changes what runs."""
     from tempo.integrations.hf_attention import (MIN_ATTENTION_INTERFACE_VERSION, model_dispatches_attention,
                                     require_attention_interface, transformers_version)
 
@@ -345,18 +373,23 @@ def _check_attention_possible(model: nn.Module) -> None:
             f"patches GELU and LayerNorm.")
 
 
-def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, attention: bool | str = True,
-                dropout_add_layernorm: bool = False) -> nn.Module:
+def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = _DEFAULT.layernorm,
+                attention: bool | str | None = None,
+                dropout_add_layernorm: bool = _DEFAULT.dropout_add_layernorm) -> nn.Module:
     """Swap Tempo's memory-saving layers into ``model`` in place; returns ``model``.
+
+    With no arguments: the default, ``tempo.choices.TempoChoice.default()`` (every Tempo layer kind
+    with the efficient attention), which is what the trainers' ``--tempo`` means too.
 
     ``gelu``: exact and tanh GELU modules -> InplaceGelu of the same form. ``layernorm``:
     nn.LayerNorm -> InplaceLayerNorm (same Parameters). ``attention``: HF models only,
-    ``attn_implementation`` -> "tempo" (True or "tempo": the paper's Combined) or
-    "tempo_efficient" ("efficient": tempo.efficient_attention, O(s) kept per row); not when the
-    config sets ``output_attentions=True``. ``dropout_add_layernorm``: BERT-family residual blocks
-    (``BertSelfOutput``/``BertOutput`` and their RoBERTa/XLM-R/CamemBERT/ELECTRA copies) ->
-    ``FusedResidualOutput`` (one DropoutAddLayerNorm, same state_dict keys). The least a BERT layer
-    keeps: ``apply_tempo(model, attention="efficient", dropout_add_layernorm=True)``.
+    ``attn_implementation`` -> "tempo_efficient" (None, the default, or "efficient":
+    tempo.efficient_attention, O(s) kept per row) or "tempo" (True or "tempo": the paper's
+    Combined); False leaves it; not when the config sets ``output_attentions=True``.
+    ``dropout_add_layernorm``: BERT-family residual blocks (``BertSelfOutput``/``BertOutput`` and
+    their RoBERTa/XLM-R/CamemBERT/ELECTRA copies) -> ``FusedResidualOutput`` (one
+    DropoutAddLayerNorm, same state_dict keys). The paper's three layers:
+    ``apply_tempo(model, attention="tempo", dropout_add_layernorm=False)``.
     See the module docstring for what is and is not replaced. Idempotent; all or nothing.
 
     With the HF Trainer, patch the model before building the Trainer (the optimizer is created
@@ -364,8 +397,10 @@ def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, att
 
         trainer = Trainer(model=apply_tempo(model), args=training_args, train_dataset=dataset, ...)
 
-    Raises ImportError (before changing anything) when ``attention=True`` on an HF model and the
-    installed transformers cannot dispatch its attention to a registered function.
+    Raises ImportError (before changing anything) when ``attention`` names a Tempo attention
+    (True, "tempo", "efficient") for an HF model whose attention does not dispatch through
+    transformers' AttentionInterface; with the default (None) that attention is left as it is,
+    logged in one line, and everything else is swapped.
     """
     implementation = _attention_implementation(attention)
     switch_attention = implementation is not None
@@ -374,7 +409,13 @@ def apply_tempo(model: nn.Module, gelu: bool = True, layernorm: bool = True, att
         logger.info("attention: %s's config sets output_attentions=True; Tempo attention keeps no attention "
                     "weights to return, so the attention is left as it is", type(model).__name__)
     if switch_attention:
-        _check_attention_possible(model)
+        try:
+            _check_attention_possible(model)
+        except ImportError as exc:
+            if attention is not None:
+                raise
+            switch_attention = False
+            logger.info("apply_tempo: attention left as it is: %s", str(exc).split(". apply_tempo(")[0])
 
     # 1. Plan: build every replacement; nothing in the model changes if this fails.
     swaps, skipped = _plan_swaps(model, {"gelu": gelu, "layernorm": layernorm,
@@ -441,10 +482,19 @@ def revert_tempo(model: nn.Module) -> nn.Module:
     for kind, n in sorted(counts.items()):
         logger.info("revert_tempo: restored %d %s", n, kind)
     state = model.__dict__.pop(_STATE, {})
+    for config, original in state.get("config_classes", ()):
+        from tempo.integrations.hf_attention import restore_config_class
+
+        restore_config_class(config, original)
     previous = state.get("attention")
     if previous:
         _restore_attention(model, previous)
         logger.info("revert_tempo: attention -> %s", previous[0][1])
+        for config, implementation in previous:
+            if getattr(config, "output_attentions", False) and implementation != "eager":
+                logger.warning("revert_tempo: %s sets output_attentions=True, which transformers supports only "
+                               "with attn_implementation='eager' (it is %r again)", type(config).__name__,
+                               implementation)
     return model
 
 

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from tempo.choices import ATTENTIONS, DEFAULT_KINDS, LAYER_KINDS, ChoiceError, TempoChoice
+from tempo.choices import ATTENTIONS, PAPER_KINDS, LAYER_KINDS, ChoiceError, TempoChoice
 from tempo.train.runtime import UsageError
 
 from tempo.utils import atomic_write_text
@@ -66,7 +66,7 @@ def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | Non
     group.add_argument("--tempo_layers", "--tempo-layers", dest="tempo_layers", type=str, default=None,
                        help=f"comma-separated layer kinds Tempo replaces when on, of {','.join(LAYER_KINDS)} "
                             f"(default: all of them, with efficient attention; the paper's layers are "
-                            f"--tempo_layers {','.join(DEFAULT_KINDS)} --attention tempo)")
+                            f"--tempo_layers {','.join(PAPER_KINDS)} --attention tempo)")
     group.add_argument("--attention", choices=ATTENTIONS, default=None,
                        help="attention implementation (default: efficient with --tempo, tempo with "
                             "--tempo_layers ...,attention, else eager)")

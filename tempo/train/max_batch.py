@@ -1,7 +1,9 @@
 """The largest batch that fits: doubling, then bisection, over any "does batch b fit?" probe.
 
 Used by the benchmark's ``max-batch`` command (one subprocess per probe) and by AutoTempo (a
-probe that trains a few steps in this process).
+probe that trains a few steps, in a process of its own on CUDA). Both decide "does not fit" with
+the same rule, written here once: ``is_oom_output`` for a probe's printed output,
+``is_oom_error`` for an exception.
 """
 
 from __future__ import annotations
@@ -9,6 +11,30 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+# Lower-cased substrings that identify "did not fit": PyTorch's CUDA/CPU OOM messages
+# ("CUDA out of memory", "OutOfMemoryError", our simulated one) and cuBLAS failing to allocate
+# its workspace, which is how an OOM inside a GEMM sometimes surfaces (a RuntimeError, not an
+# OutOfMemoryError).
+OOM_MARKERS = ("out of memory", "outofmemoryerror", "cublas_status_alloc_failed")
+
+
+def is_oom_output(text: str) -> bool:
+    """Whether a probe's output (or an error message) reports running out of memory."""
+    lower = text.lower()
+    return any(marker in lower for marker in OOM_MARKERS)
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """Whether an exception means "out of memory": torch's OutOfMemoryError (CUDA's is the same
+    class), or any exception whose type name or message carries an OOM marker (cuBLAS's
+    CUBLAS_STATUS_ALLOC_FAILED RuntimeError, "CUDA error: out of memory", the simulated one)."""
+    import torch
+
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return is_oom_output(f"{type(exc).__name__}: {exc}")
 
 
 class ProbeError(Exception):
