@@ -160,6 +160,25 @@ def test_mask_never_offers_cudnn(h100, dtype, kind, s, p):
     assert q.grad is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fused_mask_entries_at_the_floor_become_minus_inf(h100, dtype):
+    """The fused kernels keep one fp32 log-sum-exp per row, which a finfo.min row absorbs: such
+    entries go in as -inf (a fully masked row gives 0, gradient 0); the others as they are."""
+    q, k, v = _qkv(dtype, s=8, d=16)
+    mask = torch.zeros(2, 1, 8, 8)
+    mask[..., 6:] = torch.finfo(torch.float32).min
+    mask[0, 0, 3] = torch.finfo(torch.float32).min  # a fully masked row
+    mask[1, 0, 2, 0] = -1000.0  # large, but above the floor: a number
+    out = efficient_attention(q, k, v, attn_mask=mask)
+    sent = h100.calls[0]["mask"]
+    assert sent.dtype == dtype
+    assert torch.equal(torch.isinf(sent), mask <= attn_mod.FUSED_MASK_FLOOR)
+    assert sent[1, 0, 2, 0].item() == torch.tensor(-1000.0).to(dtype).item()
+    assert (out[0, :, 3] == 0).all()
+    out.float().sum().backward()
+    assert (q.grad[0, :, 3] == 0).all() and torch.isfinite(q.grad).all()
+
+
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.05, 0.0625, 0.125, 0.5])
 def test_cudnn_only_at_sixteenths_of_dropout(h100, p):
     """cuDNN's dropout rate has 1/16 resolution and torch 2.11 does not check: p = 0.1 would run

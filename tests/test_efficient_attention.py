@@ -369,7 +369,8 @@ def test_saved_bytes_exact(dtype, p, with_mask):
     with ActivationLedger() as led:
         out = efficient_attention(q, k, v, attn_mask=mask, dropout_p=p)
     esize = q.element_size()
-    expected = 4 * b * h * s * d * esize + 4 * b * h * s + 8  # q, k, v, out; fp32 lse; int64 seed
+    # q, k, v, out; per row the fp32 max and log-sum (8 bytes); the int64 seed
+    expected = 4 * b * h * s * d * esize + 8 * b * h * s + 8
     if with_mask:
         expected += mask.numel() * esize
         ptrs = []
@@ -382,11 +383,11 @@ def test_saved_bytes_exact(dtype, p, with_mask):
     out.sum().backward()
 
 
-def test_saved_lse_is_fp64_for_fp64_inputs():
+def test_saved_row_stats_are_fp64_for_fp64_inputs():
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 10, 10, 4, torch.float64))
     with ActivationLedger() as led:
         efficient_attention(q, k, v)
-    assert led.activation_bytes == 4 * 1 * 2 * 10 * 4 * 8 + 8 * 1 * 2 * 10 + 8
+    assert led.activation_bytes == 4 * 1 * 2 * 10 * 4 * 8 + 2 * 8 * 1 * 2 * 10 + 8
 
 
 def test_output_layout_merges_heads_as_a_view():
@@ -428,11 +429,11 @@ def test_opcheck_custom_ops():
     bwd = torch.ops.tempo.efficient_attention_bwd.default
     torch.library.opcheck(fwd, (q, k, v, None, seed, 0.0, False, 0.3))
     torch.library.opcheck(fwd, (q, k, v, mask, seed, 0.2, False, 0.3))
-    out, lse = fwd(q.detach(), k.detach(), v.detach(), mask, seed, 0.2, False, 0.3)
+    out, stats = fwd(q.detach(), k.detach(), v.detach(), mask, seed, 0.2, False, 0.3)
     g = torch.randn_like(out)
     qkv = (q.detach(), k.detach(), v.detach())
-    torch.library.opcheck(bwd, (g, *qkv, out, lse, mask, seed, 0.2, False, 0.3, True))
-    torch.library.opcheck(bwd, (g, *qkv, out, lse, None, seed, 0.0, True, 0.3, False))
+    torch.library.opcheck(bwd, (g, *qkv, out, stats, mask, seed, 0.2, False, 0.3, True))
+    torch.library.opcheck(bwd, (g, *qkv, out, stats, None, seed, 0.0, True, 0.3, False))
 
 
 def test_torch_compile_fullgraph():
@@ -670,6 +671,30 @@ def test_cuda_log_sum_exp_below_fp32_exp_range(dtype, s, kind):
         torch.testing.assert_close(a.cpu().double(), r, atol=atol * max(1.0, r.abs().max().item()), rtol=rtol,
                                    msg=lambda m: f"{name}: {m}")
     assert (out[0, :, 5] == 0).all() and (q.grad[0, :, 5] == 0).all()
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_cuda_finfo_min_rows_are_fully_masked(dtype):
+    """A row masked only by finfo.min goes to the efficient kernel as -inf: output 0, gradient 0,
+    every other row as with finfo.min (the kernel's fp32 log-sum-exp would absorb log s_k)."""
+    b, h, s, d = 2, 2, 64, 64
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(b, h, s, s, d, dtype))
+    mask = torch.zeros(b, 1, s, s, device="cuda")
+    mask[..., 50:] = torch.finfo(torch.float32).min
+    mask[0, 0, 7] = torch.finfo(torch.float32).min
+    out = efficient_attention(q, k, v, attn_mask=mask)
+    assert _sdpa_kernel_of(out) == "efficient"
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert (out[0, :, 7] == 0).all() and (q.grad[0, :, 7] == 0).all()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t).all()
+    bool_mask = (mask > torch.finfo(torch.float32).min).cpu()  # the same rows as a bool mask
+    ref = _reference(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), g.cpu(), bool_mask)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
+        _close(a.cpu(), r, dtype, name)
 
 
 @pytest.mark.gpu

@@ -1,12 +1,14 @@
 """Efficient attention: ``scaled_dot_product_attention`` that keeps O(s) per row for backward.
 
 Eager attention keeps, for backward, the s×s softmax output, the s×s dropout mask and the s×s
-dropout output. This op keeps only ``q``, ``k``, ``v``, its output, one log-sum-exp per query row
-(fp32; fp64 for fp64 inputs) and a 0-d int64 dropout seed, plus ``attn_mask`` when given (the
-caller's tensor, which the caller holds anyway). Backward recomputes each block of scores from
-``q`` and ``k``, the probabilities from the log-sum-exp, and the dropout mask from the seed
-(FlashAttention-2's backward: D = rowsum(dO·O), P = exp(S − lse), dV += P_dropᵀ dO,
-dP = dO Vᵀ ∘ keep/(1−p), dS = P ∘ (dP − D), dQ += scale·dS K, dK += scale·dSᵀ Q).
+dropout output. This op keeps only ``q``, ``k``, ``v``, its output, two numbers per query row
+(the row's max score m and log l, l = Σ exp(S − m); fp32, fp64 for fp64 inputs: 8 bytes) and a
+0-d int64 dropout seed, plus ``attn_mask`` when given (the caller's tensor, which the caller
+holds anyway). Backward recomputes each block of scores from ``q`` and ``k``, the probabilities
+from m and log l, and the dropout mask from the seed (FlashAttention-2's backward:
+D = rowsum(dO·O), P = exp((S − m) − log l), dV += P_dropᵀ dO, dP = dO Vᵀ ∘ keep/(1−p),
+dS = P ∘ (dP − D), dQ += scale·dS K, dK += scale·dSᵀ Q). On CUDA PyTorch's fused kernels do the
+same with one fp32 log-sum-exp per row.
 
 Paths
   * No backward (grad mode off, or nothing among q, k, v, attn_mask requires grad: eval,
@@ -28,6 +30,28 @@ Paths
     tile-sized temporaries: scores/probabilities, the dropout tile, dP in backward), never on
     s_q × s_k; for s <= 128 there is one tile. Its temporaries of size O(s·d) (fp32 copies of
     low-precision q, k, v; the gradient accumulators) are freed when it returns.
+
+Exactness: what backward recovers instead of keeping (u_c = 2^-24, the fp32 compute's unit
+roundoff, 2^-53 for fp64 inputs; T key tiles of BLOCK_K; tests/test_attention_exactness.py checks
+each bound elementwise with logits up to 1e4, finfo.min and −inf masks with fully masked rows,
+fp32/bf16/fp16)
+  * Dropout keep tiles: the same pure function of (seed, tile, shape, p) in forward and backward:
+    bitwise the forward's. Exact.
+  * Scores S: recomputed from q, k and the mask by the forward's arithmetic (same function, same
+    tile shapes): bitwise the forward's on a deterministic BLAS.
+  * P = exp((S − m) − log l): |P̃/P − 1| <= (2|S_ij − m_i| + 3 ln s_k + 3T + 136)·u_c to first
+    order, P the exact softmax of the same S (for every P above fp32's underflow, |S − m| <= 104:
+    <= ~(350 + 3T)·u_c ≈ 2e-5). No condition on |m|: a single fp32 lse = m + log l loses log l once
+    |m| is large against 1/u_c (a row masked only by finfo.min: P = 1 instead of 1/s_k, a silently
+    wrong gradient), which is why two numbers per row are kept.
+  * D_i = rowsum(dO·O) from the kept output (rounded to its dtype, unit roundoff u_o):
+    |ΔD_i| <= (u_o + (d_v + 2)·u_c)·Σ_k |dO_ik O_ik|, as in FlashAttention-2.
+  * End to end against fp64 (logits to ±1e3): fp32 as close as eager attention; bf16 and fp16 3
+    to 100 times closer than eager in the same dtype (which rounds scores and probabilities to
+    it); where a row is fully masked by −inf eager gives NaN, this op 0.
+  * CUDA (PyTorch's flash and efficient kernels): P from one fp32 lse (relative error about
+    (|lse| + |S − lse|)·u_c: hence the mask floor), D from O, dropout from the philox seed and
+    offset (exact). The gpu tests compare every gradient with fp64 there.
 
 CUDA dispatch (torch 2.11 to 2.13; decided in Python from the inputs' dtype, shapes and strides,
 the device and the switches, so eager and torch.compile take the same path)
@@ -62,13 +86,15 @@ Semantics (those of ``torch.nn.functional.scaled_dot_product_attention``)
     ``scale`` defaults to 1/sqrt(d). ``is_causal``: query i attends keys j <= i (upper-left
     aligned, as sdpa); it cannot be combined with ``attn_mask``.
   * ``attn_mask`` broadcasts to (b, h, s_q, s_k): bool (True = attend) or an additive float mask
-    of any float dtype (it is cast to the inputs' dtype for the fused kernels: an fp32 finfo.min
-    becomes -inf in fp16, so there a row masked only by it gives 0, not uniform). BERT's key-padding
-    masks are (b, 1, 1, s_k). A row whose keys are all masked (bool False or -inf) gives output 0
-    and gradient 0, never NaN. Additive ``finfo.min`` entries are numbers, as in eager and sdpa:
-    a row masked only by finfo.min attends uniformly. When a key-padding mask masks nothing the
-    caller should pass ``None`` instead: the fused flash kernel takes no mask at all. A float mask
-    that requires grad gets its gradient (the gradient of the scores).
+    of any float dtype. BERT's key-padding masks are (b, 1, 1, s_k). A row whose keys are all
+    masked (bool False or -inf) gives output 0 and gradient 0, never NaN. Additive ``finfo.min``
+    entries are numbers, as in eager and sdpa: on the reference path (and the stock CPU sdpa) a
+    row masked only by finfo.min attends uniformly. The fused CUDA kernels get the mask in q's
+    dtype with entries <= ``FUSED_MASK_FLOOR`` (−32768) as −inf (their fp32 log-sum-exp cannot
+    recover such a row's probabilities, see ``_fused_mask``): there a row masked only by them
+    gives 0, as with a bool mask; every other row is unchanged. When a key-padding mask masks
+    nothing the caller should pass ``None`` instead: the fused flash kernel takes no mask at all.
+    A float mask that requires grad gets its gradient (the gradient of the scores).
   * Dropout (only when ``training`` and ``dropout_p > 0``) drops probabilities after the softmax
     and scales the kept ones by 1/(1−p). On the reference path the keep mask is a pure function of
     (seed, (b, h, s_q, s_k), p, device type): tile (i, j) is drawn as one ``torch.rand`` of shape
@@ -112,8 +138,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    # fp64 inputs keep an fp64 lse: an fp32 one would cap the gradient's precision at ~1e-7.
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp64 inputs keep fp64 row statistics: fp32 ones would cap the gradient's precision at ~1e-7.
     return _compute_dtype(dtype)
 
 
@@ -221,9 +247,10 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], 
     s_k, d_v = k.shape[2], v.shape[3]
     cdt = _compute_dtype(q.dtype)
     out = q.new_empty_strided((b, h, s_q, d_v), (s_q * h * d_v, d_v, h * d_v, 1))
-    lse = torch.empty((b, h, s_q), dtype=_lse_dtype(q.dtype), device=q.device)
-    if out.numel() == 0 and lse.numel() == 0:
-        return out, lse
+    # Per query row: the max score m and log l (l = sum of exp(S - m)); see "Exactness".
+    stats = torch.empty((b, h, s_q, 2), dtype=_stats_dtype(q.dtype), device=q.device)
+    if out.numel() == 0 and stats.numel() == 0:
+        return out, stats
     qs = q.to(cdt) * scale  # O(s·d) transients; scaling q is cheaper than scaling every score
     kc, vc = k.to(cdt), v.to(cdt)
     mask4 = _as_4d(mask)
@@ -254,14 +281,16 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], 
             del s, probs
         if m is None:  # s_k == 0: no keys at all
             out[:, :, q0:q1] = 0
-            lse[:, :, q0:q1] = float("inf")
+            stats[:, :, q0:q1, 0] = float("inf")
+            stats[:, :, q0:q1, 1] = 0.0
             continue
-        empty = l == 0  # every key masked: output 0, and lse = +inf makes exp(S - lse) = 0 in backward
+        # Every key masked: output 0, and m = +inf makes exp(S - m - log l) = 0 in backward.
+        empty = l == 0
         factor = torch.where(empty, 0.0, 1.0 / l.masked_fill(empty, 1.0))
         out[:, :, q0:q1] = acc.mul_(factor.unsqueeze(-1))
-        m_safe = m.masked_fill(m == float("-inf"), 0.0)
-        lse[:, :, q0:q1] = torch.where(empty, float("inf"), m_safe + torch.log(l.masked_fill(empty, 1.0)))
-    return out, lse
+        stats[:, :, q0:q1, 0] = m.masked_fill(empty, float("inf"))
+        stats[:, :, q0:q1, 1] = torch.log(l.masked_fill(empty, 1.0))
+    return out, stats
 
 
 def _reduce_to(t: Tensor, shape: torch.Size) -> Tensor:
@@ -270,7 +299,7 @@ def _reduce_to(t: Tensor, shape: torch.Size) -> Tensor:
     return t.sum(dim=dims, keepdim=True) if dims else t
 
 
-def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
                         mask: Optional[Tensor], seed: Tensor, p: float, is_causal: bool, scale: float,
                         mask_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     s_q, s_k = q.shape[2], k.shape[2]
@@ -288,12 +317,14 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     dropout = p > 0.0
     seed_int = int(seed.item()) if dropout else 0
     gen = torch.Generator(device=q.device) if dropout else None
-    lse_c = lse.to(cdt)
+    stats_c = stats.to(cdt)
     for qi, q0, q1 in _blocks(s_q, BLOCK_Q):
         qt, gt = qs[:, :, q0:q1], g[:, :, q0:q1]
-        lse_t, delta_t = lse_c[:, :, q0:q1].unsqueeze(-1), delta[:, :, q0:q1].unsqueeze(-1)
+        m_t, log_l_t = stats_c[:, :, q0:q1, 0:1], stats_c[:, :, q0:q1, 1:2]
+        delta_t = delta[:, :, q0:q1].unsqueeze(-1)
         for ki, k0, k1 in _key_blocks(is_causal, q1, s_k):
-            probs = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1).sub_(lse_t).exp_()
+            # P = exp((S - m) - log l): S - m is exact near the row's max whatever |m| is.
+            probs = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1).sub_(m_t).sub_(log_l_t).exp_()
             dp = torch.matmul(gt, vc[:, :, k0:k1].transpose(-1, -2))
             if dropout:
                 z = _dropout_tile(gen, seed_int, qi, ki, tuple(probs.shape), p, q.device, cdt)
@@ -318,7 +349,7 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
 
 
 # ----------------------------------------------------------------------------------------------
-# Custom ops: forward returns (out, lse); lse is not differentiable.
+# Custom ops: forward returns (out, stats); stats (the row max and log-sum) are not differentiable.
 # ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("tempo::efficient_attention_fwd", mutates_args=())
 def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Tensor,
@@ -332,39 +363,39 @@ def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale):
     b, h, s_q, _ = q.shape
     d_v = v.shape[3]
     out = q.new_empty_strided((b, h, s_q, d_v), (s_q * h * d_v, d_v, h * d_v, 1))
-    return out, q.new_empty((b, h, s_q), dtype=_lse_dtype(q.dtype))
+    return out, q.new_empty((b, h, s_q, 2), dtype=_stats_dtype(q.dtype))
 
 
 @torch.library.custom_op("tempo::efficient_attention_bwd", mutates_args=())
-def _attention_bwd_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _attention_bwd_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
                       attn_mask: Optional[Tensor], seed: Tensor, dropout_p: float, is_causal: bool,
                       scale: float, mask_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask); dmask is empty unless ``mask_needs_grad``."""
     with torch.autocast(q.device.type, enabled=False):
-        return _reference_backward(grad_out, q, k, v, out, lse, attn_mask, seed, dropout_p,
+        return _reference_backward(grad_out, q, k, v, out, stats, attn_mask, seed, dropout_p,
                                    is_causal, scale, mask_needs_grad)
 
 
 @_attention_bwd_op.register_fake
-def _(grad_out, q, k, v, out, lse, attn_mask, seed, dropout_p, is_causal, scale, mask_needs_grad):
+def _(grad_out, q, k, v, out, stats, attn_mask, seed, dropout_p, is_causal, scale, mask_needs_grad):
     dmask = torch.empty_like(attn_mask) if mask_needs_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, seed, dropout_p, is_causal, scale = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
+    out, stats = output
+    ctx.mark_non_differentiable(stats)
     # One implementation sits behind this op (the CPU path has no Triton kernel), so there is no
     # backend to record: backward regenerates the dropout tiles from the seed alone.
-    ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask)
+    ctx.save_for_backward(q, k, v, out, stats, seed, attn_mask)
     ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, seed, attn_mask = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_stats):
+    q, k, v, out, stats, seed, attn_mask = ctx.saved_tensors
     mask_needs_grad = attn_mask is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = _attention_bwd_op(grad_out, q, k, v, out, lse, attn_mask, seed, ctx.dropout_p,
+    dq, dk, dv, dmask = _attention_bwd_op(grad_out, q, k, v, out, stats, attn_mask, seed, ctx.dropout_p,
                                           ctx.is_causal, ctx.scale, mask_needs_grad)
     return dq, dk, dv, (dmask if mask_needs_grad else None), None, None, None, None
 
@@ -521,13 +552,29 @@ def _fused_backends(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: 
     return offered
 
 
+# Additive mask entries at or below this are -inf for the fused kernels (see _fused_mask).
+FUSED_MASK_FLOOR = -32768.0
+
+
 def _fused_mask(mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
-    """The mask as the fused kernels take it: bool, or a bias of q's dtype with unit stride along
-    the keys. (An fp32 finfo.min entry becomes -inf in fp16: see "Semantics".)"""
+    """The mask as the fused kernels take it: bool, or a bias of q's dtype, unit stride along the
+    keys, with entries <= FUSED_MASK_FLOOR made -inf.
+
+    Why the floor: the fused kernels keep one fp32 log-sum-exp per row, lse = m + log l, and
+    backward recomputes P = exp(S - lse). In a row whose every key carries a finfo.min bias, m is
+    about -3.4e38 and absorbs log l (and the efficient kernel's log2 scaling overflows it to -inf):
+    the forward gives eager's uniform row but the backward takes P = 1 instead of 1/s_k. As -inf
+    such a row is fully masked: output 0, gradient 0, like a bool mask. Any other row is
+    unchanged: an entry <= -32768 contributes exp(-32768 + (its score - the row's max)) = 0 in
+    fp32 unless that key's unmasked score exceeds every attended key's by more than 32,000. The
+    floating mask is copied once for this (sdpa keeps that copy for backward).
+    """
     if mask is None:
         return None
-    if mask.dtype != torch.bool and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)
+    if mask.dtype != torch.bool:
+        if mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        mask = mask.masked_fill(mask <= FUSED_MASK_FLOOR, float("-inf"))
     if mask.shape[-1] > 1 and mask.stride(-1) != 1:
         mask = mask.contiguous()
     return mask

@@ -32,6 +32,27 @@ Semantics
     so its output row and its gradients are 0. NaN in a row still gives a NaN row.
   * Inputs are made contiguous (with ``dim`` moved last) at the kernel boundary. Every Triton
     launch runs inside ``launch_on`` (on the device and current stream of its tensors).
+  * Exactness: what backward recovers instead of keeping (tests/test_attention_exactness.py checks
+    each bound elementwise: logits up to 1e4, finfo.min and −inf masks, fully masked rows,
+    fp32/bf16/fp16/bf16 autocast, both backends). u_s, u_v, u_x: unit roundoff of s's, v's and
+    x's dtype (2^-24, 2^-8, 2^-11 for fp32, bf16, fp16; twice that on Triton's interpreter, which
+    truncates 16-bit stores); η: half the dtype's smallest subnormal spacing (fp16: 2^-25, so
+    probabilities below 6e-8 are kept as 0); u_c = 2^-24.
+      - The dropout mask: regenerated from the seed on the backend the forward ran: bitwise.
+      - s, the kept softmax output, is P (the forward's fp32 probabilities) rounded to its dtype:
+        |s − P| <= u_s·P + η_s. Eager keeps the same rounded output when it runs in that dtype
+        (no autocast): the two backward passes then agree to the last bits.
+      - D = s·keep/(1 − p) in v's dtype, for dv = Dᵀ dO:
+        |ΔD| <= (|s − P| + u_v·P)·keep/(1 − p) + η_v.
+      - dx_j = s_j (g_j − Σ_k s_k g_k), g = (dO vᵀ)∘keep/(1 − p), G = Σ_k P_k g_k: the error
+        from s is <= |s_j − P_j|·|g_j − G| + P_j·Σ_k |s_k − P_k||g_k|, plus
+        (n + 4)·u_c·P_j(|g_j − G| + Σ_k P_k|g_k|) of fp32 arithmetic and u_x|dx_j| of the final
+        rounding. No condition on the logits or the
+        masks. Under autocast eager keeps the fp32 softmax output and this op the autocast-dtype
+        one: dx then carries bf16's 2^-8 relative to P_j(|g_j − G| + Σ P|g|), which exceeds |dx_j|
+        where g_j − G cancels (peaked rows): measured dx up to ~7x farther from fp64 than eager's
+        under bf16 autocast (out and dv as eager's). Keeping s in fp32 there would be exact as
+        eager, for 2 more bytes per score.
   * No backward (grad mode off, or neither ``x`` nor ``v`` requires grad: eval of a frozen
     model, ``torch.no_grad()``, ``torch.inference_mode()``): nothing is kept, so the stock ops
     run, ``matmul(dropout(aten._safe_softmax(x, dim)), v)``, same semantics (a row all -inf gives
