@@ -31,8 +31,8 @@ _REAL_SDPA = F.scaled_dot_product_attention
 class FakeH100:
     """torch 2.11 on an H100 with cuDNN 9.19, as far as the dispatch can see it."""
 
-    def __init__(self, capability=(9, 0), cudnn_version=91900):
-        self.capability, self.cudnn_version = capability, cudnn_version
+    def __init__(self, sm=90, cudnn_version=91900):
+        self.sm, self.cudnn_version = sm, cudnn_version
         self.priority_installed = False  # torch's priority_order_init_
         self.choice_probes = 0
         self.calls = []  # one dict per sdpa call
@@ -79,7 +79,7 @@ def h100(monkeypatch):
     order = torch._C._get_sdp_priority_order()
     fake = FakeH100()
     monkeypatch.setattr(attn_mod, "_is_cuda", lambda t: True)
-    monkeypatch.setattr(attn_mod, "_device_facts", lambda device: (fake.capability, fake.cudnn_version))
+    monkeypatch.setattr(attn_mod, "_device_facts", lambda device: (fake.sm, fake.cudnn_version))
     monkeypatch.setattr(attn_mod, "_sdpa_priority_initialised", False)
     monkeypatch.setattr(attn_mod, "_logged_fallbacks", set())
     monkeypatch.setattr(torch, "_fused_sdp_choice", fake.fused_sdp_choice)
@@ -265,7 +265,7 @@ REFERENCE_CASES = {
     "fp64": dict(dtype=torch.float64),
     "fp16_d12_mask": dict(dtype=torch.float16, d=12, mask=True),
     "fp32_d6": dict(dtype=torch.float32, d=6),
-    "bf16_on_sm75": dict(dtype=torch.bfloat16, capability=(7, 5)),
+    "bf16_on_sm75": dict(dtype=torch.bfloat16, sm=75),
     "fp16_d_v_300": dict(dtype=torch.float16, d=64, d_v=300, mask=True),
     "non_unit_stride": dict(dtype=torch.float16, strided=True),
 }
@@ -283,7 +283,7 @@ def _case_inputs(case):
 @pytest.mark.parametrize("name", list(REFERENCE_CASES))
 def test_inputs_no_fused_kernel_takes_run_the_reference_op_logged_once(h100, caplog, name):
     case = REFERENCE_CASES[name]
-    h100.capability = case.get("capability", h100.capability)
+    h100.sm = case.get("sm", h100.sm)
     q, k, v, mask = _case_inputs(case)
     with caplog.at_level(logging.WARNING, logger="tempo"):
         out = efficient_attention(q, k, v, attn_mask=mask)

@@ -409,7 +409,7 @@ _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 class _CudaState(NamedTuple):
     """What decides which fused kernel may run, besides the inputs themselves."""
 
-    capability: tuple[int, int]
+    sm: int  # compute capability as major * 10 + minor: 90 on an H100 (ints: Dynamo 2.11 fails on tuple <)
     flash: bool  # the user's switches (torch.backends.cuda.enable_*_sdp), narrowed by any
     efficient: bool  # enclosing sdpa_kernel block: both set the same global flags
     cudnn: bool
@@ -448,8 +448,9 @@ def _initialise_sdpa_priority(device: torch.device) -> None:
 
 
 def _device_facts(device: torch.device) -> tuple[tuple[int, int], int]:
-    """(compute capability, cuDNN version or 0) of a CUDA device."""
-    return tuple(torch.cuda.get_device_capability(device)), int(torch.backends.cudnn.version() or 0)
+    """(compute capability as major * 10 + minor, cuDNN version or 0) of a CUDA device."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor, int(torch.backends.cudnn.version() or 0)
 
 
 @torch.compiler.assume_constant_result
@@ -460,11 +461,11 @@ def _cuda_state(device: str) -> _CudaState:
     it; ``torch._dynamo.reset()`` or a recompile does."""
     dev = torch.device(device)
     _initialise_sdpa_priority(dev)
-    capability, cudnn_version = _device_facts(dev)
+    sm, cudnn_version = _device_facts(dev)
     deterministic = (torch.are_deterministic_algorithms_enabled()
                      and not torch.is_deterministic_algorithms_warn_only_enabled())
     return _CudaState(
-        capability=capability,
+        sm=sm,
         flash=torch.backends.cuda.flash_sdp_enabled(),
         efficient=torch.backends.cuda.mem_efficient_sdp_enabled(),
         cudnn=torch.backends.cuda.cudnn_sdp_enabled(),
@@ -490,23 +491,23 @@ def _dense_rows(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def _flash_takes(q: Tensor, k: Tensor, v: Tensor, has_mask: bool, is_causal: bool, grad: bool,
-                 cap: tuple[int, int]) -> bool:
+                 sm: int) -> bool:
     """torch's can_use_flash_attention, conservatively, from what is known when tracing."""
     d = q.shape[3]
-    if has_mask or q.dtype not in _HALF or not (8, 0) <= cap <= (12, 1):
+    if has_mask or q.dtype not in _HALF or not 80 <= sm <= 121:
         return False
     if v.shape[3] != d or d > 256:
         return False
-    if grad and ((8, 6) <= cap <= (8, 9) or (12, 0) <= cap <= (12, 1)) and d > 192:
+    if grad and (86 <= sm <= 89 or 120 <= sm <= 121) and d > 192:
         return False  # flash's backward on these parts refuses head dims in (192, 256]
     return not (is_causal and q.shape[2] != k.shape[2])  # flash's causal is lower-right aligned
 
 
-def _efficient_takes(q: Tensor, v: Tensor, cap: tuple[int, int]) -> bool:
+def _efficient_takes(q: Tensor, v: Tensor, sm: int) -> bool:
     """torch's can_use_mem_efficient_attention, conservatively."""
-    if not (5, 0) <= cap <= (12, 1):
+    if not 50 <= sm <= 121:
         return False
-    if q.dtype not in ((torch.float16, torch.float32, torch.bfloat16) if cap >= (8, 0)
+    if q.dtype not in ((torch.float16, torch.float32, torch.bfloat16) if sm >= 80
                        else (torch.float16, torch.float32)):
         return False
     align = 8 if q.dtype in _HALF else 4  # its GEMMs' alignment (elements) on tensor cores
@@ -515,7 +516,7 @@ def _efficient_takes(q: Tensor, v: Tensor, cap: tuple[int, int]) -> bool:
 
 def _cudnn_takes(q: Tensor, k: Tensor, v: Tensor, p: float, st: _CudaState) -> bool:
     """torch 2.11's can_use_cudnn_attention, conservatively (head dims <= 128 everywhere)."""
-    if q.dtype not in _HALF or not (8, 0) <= st.capability <= (12, 1) or st.deterministic:
+    if q.dtype not in _HALF or not 80 <= st.sm <= 121 or st.deterministic:
         return False
     if st.cudnn_version < 90000 or (p > 0.0 and 91100 < st.cudnn_version < 91400):
         return False  # cuDNN 9.11-9.13 has no sdpa dropout
@@ -543,9 +544,9 @@ def _fused_backends(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: 
         return []
     has_mask = mask is not None
     offered = []
-    if st.flash and _flash_takes(q, k, v, has_mask, is_causal, grad, st.capability):
+    if st.flash and _flash_takes(q, k, v, has_mask, is_causal, grad, st.sm):
         offered.append(SDPBackend.FLASH_ATTENTION)
-    if st.efficient and _efficient_takes(q, v, st.capability):
+    if st.efficient and _efficient_takes(q, v, st.sm):
         offered.append(SDPBackend.EFFICIENT_ATTENTION)
     if st.cudnn and _cudnn_allowed(has_mask, p) and _cudnn_takes(q, k, v, p, st):
         offered.append(SDPBackend.CUDNN_ATTENTION)
@@ -618,7 +619,7 @@ def _no_fused_reason(q: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_
     enabled = [name for name, on in (("flash", st.flash), ("efficient", st.efficient),
                                      ("cudnn", st.cudnn)) if on]
     return (f"no fused sdpa kernel takes q {q.dtype} head_dim {q.shape[-1]}, v head_dim {v.shape[-1]}, "
-            f"mask {mask_kind}, dropout {p}, causal {is_causal} on sm{st.capability[0]}{st.capability[1]} "
+            f"mask {mask_kind}, dropout {p}, causal {is_causal} on sm{st.sm} "
             f"with the fused backends enabled: {', '.join(enabled) or 'none'}")
 
 
