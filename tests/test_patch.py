@@ -105,6 +105,26 @@ def test_bert_modules_state_dict_and_revert(caplog):
     assert [id(p) for p in model.parameters()] == [id(p) for p in params_before]
 
 
+def test_apply_tempo_default_is_the_trainers_tempo():
+    """One default: apply_tempo(model) swaps what the trainers' --tempo builds (TempoChoice.default())."""
+    import argparse
+
+    from tempo.choices import TempoChoice
+    from tempo.integrations.autotempo import apply_choice
+    from tempo.train.flags import add_tempo_flags, tempo_choice_from_args
+
+    parser = argparse.ArgumentParser()
+    add_tempo_flags(parser)
+    flags = tempo_choice_from_args(parser.parse_args(["--tempo"]))
+    assert flags == TempoChoice.default() == TempoChoice.floor()
+    by_default, by_flags = apply_tempo(bert_mlm()), apply_choice(flags, bert_mlm())
+    assert tempo_patched(by_default) == tempo_patched(by_flags) == BERT_DEFAULT
+    assert by_default.config._attn_implementation == by_flags.config._attn_implementation == "tempo_efficient"
+    paper = apply_tempo(bert_mlm(), **PAPER)
+    assert tempo_patched(paper) == tempo_patched(apply_choice(TempoChoice.paper(), bert_mlm()))
+    assert paper.config._attn_implementation == "tempo"
+
+
 def test_revert_restores_previous_attention_and_train_mode():
     model = bert_mlm(attn_implementation="sdpa").train()
     apply_tempo(model, gelu=False)

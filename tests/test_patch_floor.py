@@ -119,3 +119,165 @@ def test_meta_model_can_be_fused_then_materialised():
     ids, mask = _inputs()
     out = model(input_ids=ids, attention_mask=mask, labels=ids)
     assert torch.isfinite(out.loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused block against the block it replaced: eps, p, train/eval, which branch is dropped
+# ---------------------------------------------------------------------------------------------
+def _bert_for_fusion(dropout: float, eps: float):
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=48, max_position_embeddings=64, hidden_dropout_prob=dropout,
+                                     attention_probs_dropout_prob=0.0, layer_norm_eps=eps,
+                                     attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():  # LayerNorm parameters that are not 1/0, so a wrong γ/β would show
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def _blocks(model):
+    layer = model.encoder.layer[0]
+    return {"attention.output": layer.attention.output, "output": layer.output}
+
+
+def _block_inputs(block, scale: float = 0.1):
+    """(sublayer input, residual) whose sum has a variance ~scale^2: eps = 0.05 is far from negligible."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 5, block.dense.in_features, generator=g) * scale
+    r = torch.randn(2, 5, block.dense.out_features, generator=g) * scale
+    return h, r
+
+
+@pytest.mark.parametrize("where", ["attention.output", "output"])
+def test_fused_block_is_the_replaced_block_in_eval_mode_at_its_eps(where):
+    """Dropout 0.3 in eval mode, eps = 0.05 against inputs of variance ~0.01: a fused block built
+    with another eps (BERT's 1e-12, LayerNorm's default 1e-5) or left in training mode differs."""
+    model = _bert_for_fusion(dropout=0.3, eps=0.05).eval()
+    stock = copy.deepcopy(model)
+    apply_tempo(model)  # patched while in eval mode: the fused blocks must be in eval mode too
+    fused, original = _blocks(model)[where], _blocks(stock)[where]
+    assert isinstance(fused, FusedResidualOutput)
+    h, r = _block_inputs(original)
+    want = original(h, r)
+    for _ in range(2):  # no dropout: the same output every time
+        torch.testing.assert_close(fused(h, r), want, atol=1e-6, rtol=1e-6)
+    model.train()
+    model.eval()  # and back: .eval() reaches the fused LayerNorm
+    torch.testing.assert_close(fused(h, r), want, atol=1e-6, rtol=1e-6)
+    model.train()
+    assert not torch.equal(fused(h, r), fused(h, r))  # .train() turns its dropout on
+    # The whole model too: its embeddings' InplaceLayerNorm sees a variance ~1e-3, where eps = 0.05 dominates.
+    ids, mask = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   stock(input_ids=ids, attention_mask=mask).last_hidden_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["attention.output", "output"])
+def test_fused_block_drops_the_sublayer_output_like_the_replaced_block(where):
+    """Dropout 0.3 in training mode, compared with the original block given the very mask the fused
+    block drew. The mask is read from the fused block's own gradients: d/d(dense output) =
+    d/d(residual) x keep/(1-p), so their ratio is 0 or 1/(1-p) element by element. Output and every
+    gradient (inputs and parameters) must then be the original block's with that mask: dropout on
+    the residual instead, on both branches, after the LayerNorm, or with another p, all fail."""
+    p = 0.3
+    model = _bert_for_fusion(dropout=p, eps=0.05).train()
+    stock = copy.deepcopy(model)
+    apply_tempo(model)
+    fused, original = _blocks(model)[where], _blocks(stock)[where]
+    h, r = _block_inputs(original, scale=1.0)
+    upstream = torch.randn(2, 5, original.dense.out_features, generator=torch.Generator().manual_seed(4))
+
+    captured = {}
+
+    def keep_dense_output(module, args, output):
+        output.retain_grad()
+        captured["x"] = output
+
+    handle = fused.dense.register_forward_hook(keep_dense_output)
+    h1, r1 = h.clone().requires_grad_(), r.clone().requires_grad_()
+    y = fused(h1, r1)
+    handle.remove()
+    y.backward(upstream)
+    ratio = captured["x"].grad / r1.grad
+    kept = ratio != 0
+    torch.testing.assert_close(ratio[kept], torch.full_like(ratio[kept], 1 / (1 - p)), atol=1e-5, rtol=1e-5)
+    assert ((ratio == 0) | kept).all()
+    assert 0.5 < kept.float().mean() < 0.9  # p = 0.3 of 320 elements
+
+    class FixedMask(torch.nn.Module):
+        def forward(self, x):
+            return x * kept / (1 - p)
+
+    original.dropout = FixedMask()
+    h2, r2 = h.clone().requires_grad_(), r.clone().requires_grad_()
+    want = original(h2, r2)
+    want.backward(upstream)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r1.grad, r2.grad, atol=1e-5, rtol=1e-5)
+    for name, param in original.named_parameters():
+        torch.testing.assert_close(fused.get_parameter(name).grad, param.grad, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Revert: module types, and Parameters replaced while patched
+# ---------------------------------------------------------------------------------------------
+def _types(model):
+    return [(name, type(module)) for name, module in model.named_modules()]
+
+
+def _logits(model, ids, mask):
+    with torch.no_grad():
+        return model.eval()(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("replace", ["load_state_dict(assign=True)", "to_empty+load_state_dict", "new dense"])
+def test_revert_after_parameters_were_replaced_while_patched(replace):
+    """Whatever replaced the Parameters (or a block's dense module, as PEFT does) while the model was
+    patched is what the original modules hold after revert_tempo: same types, same values, logits
+    of a stock model holding those weights."""
+    stock = _bert()
+    types = _types(stock)
+    model = copy.deepcopy(stock)
+    apply_tempo(model)
+    other = _bert()
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    weights = {k: v.clone() for k, v in other.state_dict().items()}
+    if replace == "load_state_dict(assign=True)":
+        model.load_state_dict(weights, assign=True)
+    elif replace == "to_empty+load_state_dict":
+        model.to_empty(device="cpu")
+        model.load_state_dict(weights)
+        for name, buffer in other.named_buffers():  # non-persistent buffers (position ids)
+            model.get_buffer(name).copy_(buffer)
+    else:
+        block = model.bert.encoder.layer[1].output
+        block.dense = torch.nn.Linear(block.dense.in_features, block.dense.out_features)
+        with torch.no_grad():
+            block.dense.weight.copy_(weights["bert.encoder.layer.1.output.dense.weight"])
+            block.dense.bias.copy_(weights["bert.encoder.layer.1.output.dense.bias"])
+        stock.load_state_dict({**stock.state_dict(), "bert.encoder.layer.1.output.dense.weight":
+                               weights["bert.encoder.layer.1.output.dense.weight"],
+                               "bert.encoder.layer.1.output.dense.bias":
+                               weights["bert.encoder.layer.1.output.dense.bias"]})
+        other = stock
+    model.tie_weights()
+    revert_tempo(model)
+    assert _types(model) == types
+    assert not any(isinstance(m, FusedResidualOutput) or type(m).__module__.startswith("tempo.")
+                   for m in model.modules())
+    ids, mask = _inputs()
+    torch.testing.assert_close(_logits(model, ids, mask), _logits(other, ids, mask), atol=1e-5, rtol=1e-5)
+    if replace == "new dense":
+        assert model.bert.encoder.layer[1].output.dense is block.dense
+    else:
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(value, weights[key], atol=0, rtol=0, msg=lambda m, key=key: f"{key}: {m}")

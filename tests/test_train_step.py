@@ -280,3 +280,61 @@ def test_an_empty_step_is_an_error():
     model = _mlp()
     with pytest.raises(ValueError, match="at least one micro-batch"):
         TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, "fp32", torch.device("cpu"))([])
+
+
+# -- what StepResult reports is what the optimizer did -------------------------------------------------------------
+def test_step_result_lr_is_the_rate_the_optimizer_used():
+    """Plain SGD (no momentum, no decay, no clipping) moves every parameter by -lr x grad: the rate read
+    back from the move must be StepResult.lr, step after step of a schedule that changes it each step."""
+    model, reference = _mlp(), _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    step = TrainStep(model, opt, _mse, "fp32", torch.device("cpu"), scheduler=sched, max_grad_norm=0,
+                     measure_activations=False)
+    for i in range(3):
+        batch = _batch(4 + i)
+        reference.load_state_dict(model.state_dict())
+        reference.zero_grad(set_to_none=True)
+        _mse(reference, batch).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        out = step([batch])
+        assert out.stepped and out.lr == pytest.approx(0.1 / (i + 1))
+        for b, p, q in zip(before, model.parameters(), reference.parameters()):
+            # the move is what StepResult.lr predicts (the neighbouring steps' rates are 1.5-2x off)
+            torch.testing.assert_close(b - p.detach(), out.lr * q.grad, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_nonfinite_loss_with_finite_gradients_changes_nothing(name, precision, bad):
+    """A loss term that does not depend on the parameters (a constant NaN/inf added to the loss)
+    leaves every gradient finite: the step must still see the loss, stop (or skip) and change
+    nothing -- the optimizer, its state, the weights and the schedule."""
+    def poisoned(model, batch):
+        return _mse(model, batch) + torch.tensor(bad)
+
+    for mode in ("stop", "skip"):
+        model = _mlp()
+        opt = OPTIMIZERS[name](model.parameters())
+        sched = PolyWarmUpScheduler(opt, warmup=0.5, total_steps=10, base_lr=1e-3)
+        calls = {"n": 0}
+
+        def loss_fn(model, batch):
+            calls["n"] += 1
+            return poisoned(model, batch) if calls["n"] > 1 else _mse(model, batch)
+
+        step = TrainStep(model, opt, loss_fn, precision, torch.device("cpu"), scheduler=sched, on_nonfinite=mode,
+                         log=lambda message: None)
+        step([_batch()])  # a good step first: optimizer state exists
+        params = [p.detach().clone() for p in model.parameters()]
+        state = _state_copy(opt)
+        if mode == "stop":
+            with pytest.raises(NonFiniteError, match=r"step 2 .*loss (nan|inf).*the loss is not finite with every "
+                                                     r"parameter finite"):
+                step([_batch()])
+        else:
+            out = step([_batch()])
+            assert out.nonfinite and not out.stepped and step.nonfinite_steps == 1
+        assert all(torch.equal(a, b) for a, b in zip(params, model.parameters())), mode
+        assert _same_state(state, _state_copy(opt)) and sched.last_epoch == 1, mode
