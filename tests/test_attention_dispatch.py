@@ -145,7 +145,7 @@ def test_default_priority_installed_once_before_our_block(h100, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-@pytest.mark.parametrize("s", [64, 192, 320])
+@pytest.mark.parametrize("s", [64, 320])
 @pytest.mark.parametrize("p", [0.0, 0.125])
 def test_mask_never_offers_cudnn(h100, dtype, kind, s, p):
     """A mask is never given to cuDNN (NaN grad_q when s % 128 == 64, pytorch 196678), whatever

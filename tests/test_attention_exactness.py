@@ -114,9 +114,10 @@ def _cpu_backend(backend):
     return backend
 
 
-# Triton's interpreter is slow: unmasked scores are the masked cases' other keys there.
+# Triton's interpreter is slow: there one mask kind, whose unmasked keys and fully masked row cover
+# the rest (its kernels read finfo.min as the number it is).
 COMBINED_CASES = [(b, m, k) for b in ("reference", "triton") for m in MODES for k in MASKS
-                  if not (b == "triton" and k == "none")]
+                  if b == "reference" or k == "-inf"]
 
 
 @pytest.mark.parametrize("backend,mode,mask_kind", COMBINED_CASES)
@@ -126,7 +127,8 @@ def test_combined_backward_within_its_recovery_bound(backend, mode, mask_kind):
     rounding of s (plus fp16's subnormal floor) times |g_j - G| + sum_k s_k |g_k|."""
     _cpu_backend(backend)
     # On Triton the no-dropout kernels differ only by the mask's absence.
-    cases = [(1.0, 0.1), (30.0, 0.1), (1e4, 0.1)] if backend == "triton" else itertools.product(SCALES, [0.0, 0.1])
+    cases = ([(30.0, 0.1), (1e4, 0.1)] if backend == "triton"
+             else itertools.product([1.0, 30.0, 1e4], [0.0, 0.1]))
     for scale, p in cases:
         x, v, g, dx, dv, s_kept, keep = _combined_case(backend, mode, scale, mask_kind, p)
         ref_dx, dx_bound, ref_dv, dv_bound = _combined_bounds(backend, x, v, g, s_kept, keep, p)
