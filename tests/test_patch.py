@@ -449,9 +449,10 @@ def test_gpt2_ledger_bytes_per_token_per_layer(bf16, capsys):
         print(f"\nGPT-2 (h=64, 4 heads, s=32, {'bf16' if bf16 else 'fp32'}) ledger bytes per token per added layer: "
               f"{before:.2f} h before apply_tempo, {paper:.2f} h with the paper's layers, {default:.2f} h with "
               f"the default")
-    # Measured: fp32 136.25 h -> 48.62 h (paper's layers) / 56.88 h (default), bf16 76.25 h -> 24.62 h /
-    # 28.88 h. At s = 32 the paper's s x s probabilities (4 heads x 32 keys) cost less than what the
-    # efficient attention keeps for its O(s) backward; the probabilities grow with s, the rest does not.
+    # Measured: fp32 136.25 h -> 48.62 h (paper's layers) / 57.1 h (default), bf16 76.25 h -> 24.62 h /
+    # 29.1 h. At s = 32 the paper's s x s probabilities (4 heads x 32 keys) cost less than what the
+    # efficient attention keeps for its O(s) backward (its figure moves with that op); the
+    # probabilities grow with s, the rest does not.
     # The GELU alone: NewGELUActivation is written in Python and autograd keeps four 4h-wide tensors
     # (x, tanh(...), 0.5*x, 1 + tanh(...)); InplaceGelu keeps its output, which the next Conv1D keeps
     # anyway, and 1 bit per element (0.5 h).
