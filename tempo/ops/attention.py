@@ -62,7 +62,10 @@ the device and the switches, so eager and torch.compile take the same path)
     mask (pytorch issue 196678: NaN grad_q when s % 128 == 64 and a row's log-sum-exp is below
     −88.7, fully padded rows included) and only when 16·p is an integer (cuDNN's dropout rate has
     1/16 resolution and torch 2.11 does not refuse other rates: BERT's 0.1 would train at
-    another rate). The math backend never, with a backward (it keeps s×s).
+    another rate; torch >= 2.12 refuses them itself). The math backend never, with a backward
+    (it keeps s×s). The same offer on every torch version: only torch's own acceptance differs
+    (2.12+ also refuses the efficient kernel for q, k, v whose storage offset is not a multiple of
+    its alignment, which this dispatch cannot see under torch.compile: such a call fails in sdpa).
   * Each one only if the user left it on: the offer is intersected with
     ``torch.backends.cuda.{flash,mem_efficient,cudnn}_sdp_enabled()``, which also reflect any
     enclosing ``sdpa_kernel`` block, so ``enable_cudnn_sdp(False)`` is never undone here. The
@@ -775,5 +778,5 @@ class EfficientAttention(nn.Module):
         return f"dropout_p={self.dropout_p}"
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "EfficientAttention", "attention_keep_mask", "draw_seed",
+__all__ = ["BLOCK_K", "BLOCK_Q", "FUSED_MASK_FLOOR", "EfficientAttention", "attention_keep_mask", "draw_seed",
            "efficient_attention"]
