@@ -18,6 +18,34 @@ from tempo.ops._backend import TRITON_AVAILABLE, TRITON_IMPORT_ERROR, triton_int
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def interpreter_numpy_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels with this numpy, or None.
+
+    Triton 3.6's interpreter turns a runtime loop bound into an int with ``int(array)`` of a
+    one-element 1-d array, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be
+    converted to Python scalars"); triton 3.7 on squeezes the array first. pyproject.toml cannot
+    say "numpy<2.4 with triton<3.7" (a requirement cannot depend on another package's version),
+    so the test run checks it here instead of failing ~70 kernel tests with that TypeError."""
+    if not (TRITON_AVAILABLE and triton_interpreting()):
+        return None
+    import numpy
+    import triton
+
+    def major_minor(version: str) -> tuple[int, int]:
+        return tuple(int(part) for part in version.split(".")[:2])  # type: ignore[return-value]
+
+    if major_minor(triton.__version__) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1, how the kernels are tested "
+                f"without a GPU) breaks with numpy {numpy.__version__}: install 'numpy<2.4' (or triton>=3.7)")
+    return None
+
+
+def pytest_configure(config):
+    problem = interpreter_numpy_problem()
+    if problem is not None:
+        raise pytest.UsageError(problem)
+
+
 def triton_runs_on(device: str) -> bool:
     if not TRITON_AVAILABLE:
         return False

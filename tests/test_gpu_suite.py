@@ -293,3 +293,40 @@ def test_maxbatch_stage_finds_the_batch_on_its_grid(tmp_path):
     assert record["max_batch"] == 9  # 9 x 64 = 576 <= 600 < 640
     assert [p["batch"] for p in record["probes"]] == [8, 16, 12, 10, 9]
     assert gpu_suite._maxbatch_text(tmp_path, result, 128, "original", 64) == "576"
+
+
+# ------------------------------------------------------------------------------------------------
+# The versions CI proves (.ci/run's second venv: the GPU machine's torch, triton, transformers)
+# ------------------------------------------------------------------------------------------------
+def test_pyproject_floors_are_the_versions_ci_runs():
+    """Each lower bound in pyproject.toml is the exact version .ci/run installs in its second venv."""
+    import re
+
+    pyproject = (REPO / "pyproject.toml").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    for package in ("torch", "triton", "transformers"):
+        floor = re.search(rf'"{package}>=([0-9.]+)', pyproject)
+        assert floor, f"pyproject.toml has no lower bound for {package}"
+        pinned = re.search(rf'"{package}==([0-9.]+)"', ci.split('gpu-versions/bin/pip" install', 1)[-1])
+        assert pinned, f".ci/run's GPU-versions step installs no pinned {package}"
+        assert pinned.group(1).startswith(floor.group(1)), (package, floor.group(1), pinned.group(1))
+    assert '"numpy<2.4"' in ci  # triton 3.6's interpreter
+
+
+@pytest.mark.parametrize("triton_version, numpy_version, refused", [
+    ("3.6.0", "2.4.1", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.1", False), ("3.9.0", "2.5.2", False)])
+def test_a_test_run_refuses_triton_3_6_interpreter_with_numpy_2_4(monkeypatch, triton_version, numpy_version,
+                                                                  refused):
+    import numpy
+    import triton
+
+    import conftest
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    problem = conftest.interpreter_numpy_problem()
+    if refused:
+        assert problem and f"numpy {numpy_version}" in problem and "install 'numpy<2.4'" in problem
+    else:
+        assert problem is None
