@@ -164,23 +164,23 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         raise BenchError(f"unknown variants/modes {sorted(bad)}")
     rows = []
-    for batch, seq in shapes:
-        for variant in variants:
-            try:
-                # With the benchmark's GPU current: the layer, its inputs, the Tempo launches and
-                # the timing events on one device (tempo.bench.timing.on_device).
-                with on_device(device):
+    # With the benchmark's GPU current (tempo.bench.timing.on_device): the layer, its inputs, the
+    # Tempo launches, the timing events and empty_cache after an OOM all on that one device.
+    with on_device(device):
+        for batch, seq in shapes:
+            for variant in variants:
+                try:
                     row = bench_variant(variant, config, batch, seq, str(device), dtype, modes, args.warmup,
                                         args.repeats, f"{config_name}.json")
-                row["status"] = "ok"
-            except torch.OutOfMemoryError:
-                row = {"variant": variant, "batch": batch, "seq_len": seq, "status": "oom"}
-                torch.cuda.empty_cache()
-            except (ImportError, RuntimeError) as exc:  # HF missing, a Tempo layer missing, compile failing
-                row = {"variant": variant, "batch": batch, "seq_len": seq, "status": "skipped",
-                       "message": str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}
-            rows.append(row)
-            print(_format_row(row, modes), flush=True)
+                    row["status"] = "ok"
+                except torch.OutOfMemoryError:
+                    row = {"variant": variant, "batch": batch, "seq_len": seq, "status": "oom"}
+                    torch.cuda.empty_cache()
+                except (ImportError, RuntimeError) as exc:  # HF missing, a Tempo layer missing, compile failing
+                    row = {"variant": variant, "batch": batch, "seq_len": seq, "status": "skipped",
+                           "message": str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}
+                rows.append(row)
+                print(_format_row(row, modes), flush=True)
     record = {"kind": "layer", "env": environment(device), "config": config_name, "precision": args.precision,
               "modes": list(modes), "rows": rows}
     if args.out:
