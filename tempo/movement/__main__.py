@@ -1,0 +1,5 @@
+import sys
+
+from tempo.movement.cli import main
+
+sys.exit(main())
