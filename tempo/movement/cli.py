@@ -82,30 +82,27 @@ def _calibration_lines(fit: Fit) -> str:
 
 def _component_lines(batch: int, seq_len: int, target) -> str:
     lines = [f"\nEach Tempo layer against the stock ops it replaces, alone (b = {batch}, s = {seq_len}, fwd + bwd, "
-             f"bytes on {target.name}):", "", "| part | stock | Tempo | Tempo − stock | where Tempo moves more |",
+             f"bytes on {target.name}):", "", "| part | stock | Tempo | Tempo − stock | kernels, where Tempo moves more |",
              "|---|---|---|---|---|"]
     for row in component_table(batch, seq_len, target):
         stock = row["stock"]
         for side in row["tempo"]:
             extra = side.moved - stock.moved
             where = ""
-            if extra > 0:
-                stock_names = {k.name for _, k in stock.kernels}
-                own = collections_counter(side, stock_names)
-                where = "; ".join(f"{name} {fmt_bytes(b)}" for name, b in own[:4])
+            if extra > 0:  # both sides' kernels, so the reader sees where the difference is
+                where = "Tempo: " + _kernel_list(side) + "; stock: " + _kernel_list(stock)
             lines.append(f"| {row['part']} | {stock.label}: {fmt_bytes(stock.moved)} | {side.label}: "
                          f"{fmt_bytes(side.moved)} | {fmt_bytes(extra)} ({extra / stock.moved:+.1%}) | {where} |")
     return "\n".join(lines)
 
 
-def collections_counter(side, stock_names: set) -> list[tuple[str, float]]:
-    """Kernels of ``side`` with no counterpart of the same name in the stock side, largest first."""
-    totals: dict[str, float] = {}
+def _kernel_list(side) -> str:
+    totals: dict[str, list[float]] = {}
     for phase, k in side.kernels:
-        if k.name not in stock_names:
-            key = f"{k.name} ({phase[:3]})"
-            totals[key] = totals.get(key, 0.0) + k.moved
-    return sorted(totals.items(), key=lambda kv: -kv[1])
+        entry = totals.setdefault(f"{phase[:3]} {k.name}", [0.0, 0.0])
+        entry[0] += k.read
+        entry[1] += k.written
+    return ", ".join(f"{name} r {fmt_bytes(r)} w {fmt_bytes(w)}" for name, (r, w) in totals.items())
 
 
 def _per_op_lines(workload: Workload, target) -> str:
@@ -171,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             workload = make()
         except (ImportError, NotImplementedError) as err:
-            not_counted.append({"choice": label, "reason": f"{type(err).__name__}: {err}"})
+            not_counted.append({"choice": label, "seq_len": seq_len, "reason": f"{type(err).__name__}: {err}"})
             print(f"  not counted: {label}: {type(err).__name__}: {err}")
             return None
         summary = summarize(workload, table, fit.factors, hidden)
@@ -219,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.components:
             print(_component_lines(batch, seq_len, reference))
     if not_counted:
-        print("\nNot counted: " + "; ".join(f"{n['choice']} ({n['reason']})" for n in not_counted))
+        print("\nNot counted: " + "; ".join(f"{n['choice']} at s = {n['seq_len']} ({n['reason']})" for n in not_counted))
     if args.json:
         payload = {
             "records": records,
