@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tempo.movement.declarations import (INTERPRETER, PHILOX_BYTES, SEED_BYTES, Kernel, Target, UndeclaredOp,
+from tempo.movement.declarations import (INTERPRETER, PHILOX_BYTES, Kernel, Target, UndeclaredOp,
                                          gelu_table_bytes, kernels_of)
 from tempo.movement.projection import CalibrationPoint, Factors, fit_factors, gpus, project_seconds
 from tempo.movement.trace import FakeSession, OpCall, Recorder, TensorMeta, build_on_meta

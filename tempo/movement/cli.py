@@ -48,13 +48,11 @@ def _projection_cells(summary: Summary, fit: Fit, names: list[str]) -> str:
     return " | ".join(f"{summary.projected_ms[n]:.2f} (±{err:.0%})" for n in names)
 
 
-def _table(title: str, summaries: list[Summary], fit: Fit, baseline: Optional[Summary], hidden: int,
-           per_sequence: bool = False) -> str:
+def _table(title: str, summaries: list[Summary], fit: Fit, baseline: Optional[Summary], hidden: int) -> str:
     names = list(summaries[0].projected_ms)
-    unit = "ms/step" if not per_sequence else "ms/step"
     lines = [f"\n{title}", "",
              "| choice | moved | per token per layer | vs original | GFLOP | GEMM / norm / elem share | "
-             + " | ".join(f"{n} {unit} (proj.)" for n in names) + " |",
+             + " | ".join(f"{n} ms/step (proj.)" for n in names) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(names)]
     for s in summaries:
         shares = " / ".join(f"{s.class_share(c):.0%}" for c in CLASSES)
@@ -164,14 +162,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     records: list[dict[str, Any]] = []
     not_counted: list[dict[str, str]] = []
 
+    half_dtypes = sorted({g.half_dtype for g in table.values()}, key=str)
+
     def count(label: str, make) -> Optional[Summary]:
+        """``make(dtype)`` traces the workload in ``dtype`` autocast: bf16 for the bytes, and each
+        GPU's mixed-precision dtype for its projection (fp16 on the V100)."""
         try:
-            workload = make()
+            by_dtype = {dtype: make(dtype) for dtype in half_dtypes}
+            workload = by_dtype.get(torch.bfloat16) or make(torch.bfloat16)
         except (ImportError, NotImplementedError) as err:
             not_counted.append({"choice": label, "seq_len": seq_len, "reason": f"{type(err).__name__}: {err}"})
             print(f"  not counted: {label}: {type(err).__name__}: {err}")
             return None
-        summary = summarize(workload, table, fit.factors, hidden)
+        summary = summarize(workload, table, fit.factors, hidden, by_dtype)
         records.append(record(summary, fit))
         if args.per_op:
             print(_per_op_lines(workload, reference))
@@ -179,8 +182,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     for seq_len in args.seq_lens:
         batch = _batch_for(seq_len, args.batch)
-        layer = [s for s in (count(name, lambda n=name: layer_workload(n, batch, seq_len)) for name in args.choices)
-                 if s is not None]
+        layer = [s for s in (count(name, lambda d, n=name: layer_workload(n, batch, seq_len, dtype=d))
+                             for name in args.choices) if s is not None]
         base = next((s for s in layer if s.workload.label == "original"), None)
         print(_table(f"One encoder layer, s = {seq_len}, b = {batch} (per token: of the b·s tokens):", layer, fit, base,
                      hidden))
@@ -190,8 +193,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             for name in args.choices:
                 for unpad in (False, True):
                     label = f"{name}{'+unpad' if unpad else ''} ({share:.0%} padding)"
-                    s = count(label, lambda n=name, u=unpad: layer_workload(n, batch, seq_len, padding_share=share,
-                                                                            unpad=u))
+                    s = count(label, lambda d, n=name, u=unpad: layer_workload(
+                        n, batch, seq_len, padding_share=share, unpad=u, dtype=d))
                     if s is not None:
                         s.workload.label = f"{s.workload.label} ({share:.0%} padding)"
                         records[-1]["choice"] = s.workload.label
@@ -204,7 +207,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.model or args.hf:
             model_batch = 64 if seq_len <= 128 else 8
             names = (list(args.choices) if args.model else []) + (list(HF_VARIANTS) if args.hf else [])
-            steps = [s for s in (count(n, lambda n=n: model_workload(n, "pretraining", model_batch, seq_len))
+            steps = [s for s in (count(n, lambda d, n=n: model_workload(n, "pretraining", model_batch, seq_len,
+                                                                           dtype=d))
                                  for n in names) if s is not None]
             if steps:
                 base = next((s for s in steps if s.workload.label == "original"), None)

@@ -9,10 +9,9 @@ datasheet's dense tensor-core peak for fp16/bf16 and the non-tensor-core peak fo
 bandwidth the datasheet's DRAM bandwidth. A100 and H100 come from
 ``torch._inductor.analysis.device_info`` (its H100 tensor-core figures include 2:4 sparsity and
 are halved, as its ``tops_sparsity_factor`` says); the V100, which it lacks, from ``V100_SXM2``
-below. The V100 has no bf16: the traces are bf16, and on the V100 they are projected as fp16
-(the same bytes; the one difference is that CUDA's softmax of fp16 scores writes fp32 without
-the fp32 copy of the input it makes for bf16 scores, so V100 eager attention is slightly
-over-counted).
+below. The V100 has no bf16: its projections come from fp16 traces (``GPU.half_dtype``), the
+others' from bf16 ones (CUDA's softmax of fp16 scores writes fp32 in one kernel; bf16 scores are
+first copied to fp32: ~10 % of an eager layer's bytes at s = 512).
 
 The two efficiencies (η_c for FLOPs, η_b for bytes) are fitted once, by least squares on the
 log of the ratio, to published measurements (``CALIBRATION``): Substation's V100 BERT-large layer
@@ -39,6 +38,7 @@ class GPU:
     bandwidth_gbs: float
     sms: int
     source: str
+    half_dtype: torch.dtype = torch.bfloat16  # the 16-bit dtype mixed precision uses there
 
     def peak_flops(self, dtype: Optional[torch.dtype]) -> float:
         if dtype in (torch.float16, torch.bfloat16):
@@ -48,7 +48,7 @@ class GPU:
 
 # Not in torch's table. NVIDIA V100 SXM2 datasheet: 125 TFLOPS fp16 tensor core, 15.7 fp32,
 # 900 GB/s HBM2; 80 SMs (Volta whitepaper).
-V100_SXM2 = GPU("V100", 125.0, 15.7, 900.0, 80, "NVIDIA V100 datasheet (SXM2)")
+V100_SXM2 = GPU("V100", 125.0, 15.7, 900.0, 80, "NVIDIA V100 datasheet (SXM2)", torch.float16)
 
 _SMS = {"NVIDIA A100": 108, "NVIDIA H100": 132}  # A100 and H100 SXM whitepapers
 _SPARSE_FIGURES = {"NVIDIA H100": 2}  # see _from_inductor

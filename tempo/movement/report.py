@@ -6,6 +6,8 @@ import collections
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 from tempo.movement.declarations import CLASSES, Target
 from tempo.movement.projection import GPU, Factors, Fit, project_seconds
 from tempo.movement.workloads import Workload
@@ -42,7 +44,11 @@ class Summary:
         return (c.get("read", 0.0) + c.get("written", 0.0)) / self.moved if self.moved else 0.0
 
 
-def summarize(workload: Workload, gpus: dict[str, GPU], factors: Factors, hidden: int = 1024) -> Summary:
+def summarize(workload: Workload, gpus: dict[str, GPU], factors: Factors, hidden: int = 1024,
+              by_dtype: Optional[dict[torch.dtype, Workload]] = None) -> Summary:
+    """Totals of ``workload`` (bytes and FLOPs on the reference GPU) and each GPU's projection, from
+    ``by_dtype[gpu.half_dtype]`` when given (the same workload traced in that GPU's 16-bit dtype),
+    else from ``workload``."""
     reference = target_of(gpus[REFERENCE_GPU])
     by_class: dict[str, dict[str, float]] = {cls: {"read": 0.0, "written": 0.0, "flops": 0.0} for cls in CLASSES}
     read = written = flops = 0.0
@@ -54,7 +60,9 @@ def summarize(workload: Workload, gpus: dict[str, GPU], factors: Factors, hidden
         entry["read"] += weight * kernel.read
         entry["written"] += weight * kernel.written
         entry["flops"] += weight * kernel.flops
-    projected = {name: project_seconds(workload.weighted(target_of(gpu)), gpu, factors) * 1e3
+    by_dtype = by_dtype or {}
+    projected = {name: project_seconds(by_dtype.get(gpu.half_dtype, workload).weighted(target_of(gpu)), gpu,
+                                       factors) * 1e3
                  for name, gpu in gpus.items()}
     return Summary(workload, flops, read, written, by_class, projected, hidden)
 
