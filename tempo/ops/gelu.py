@@ -11,28 +11,50 @@ backward recovers x from y: each form has one minimum x* and is monotonic on eit
 saying which side x was on (x < x*) names x uniquely. The bits are packed 8 to a byte (layout
 in tempo/ops/bitpack.py); the original Tempo kept a byte per element.
 
+No backward, no cost: when no output can reach a backward (``torch.no_grad()``,
+``torch.inference_mode()``, eval under no_grad, or an input that does not require grad;
+``needs_backward``), ``inplace_gelu``/``InplaceGelu`` run ``F.gelu`` and keep nothing.
+
 Recovering the derivative (the same table and arithmetic on both paths, one table per form):
-  with t = sqrt(y − y*), GELU'(x) is a smooth function of t on each branch (the square-root
-  singularity of x(y) at the minimum disappears in t), so it is tabulated once, on first use,
-  on 4097 evenly spaced t per branch — left: t ∈ [0, sqrt(−y*)] (y from y* up to 0⁻), right:
-  t ∈ [0, sqrt(6 − y*)] (beyond it GELU' = 1 within 4e-8) — from an fp64 bisection of the
-  branch, and backward interpolates linearly: a sqrt, two table reads and a lerp per element,
-  no erf/exp/tanh.
+  with t = sqrt(y − y*) and s = −t on the left branch, +t on the right, GELU'(x) is a smooth
+  (analytic) function of s across the minimum: the square-root singularity of x(y) at x*
+  disappears in s. GELU' is tabulated at TABLE_INTERVALS + 1 = 32769 evenly spaced s on
+  [−sqrt(−y*), sqrt(6 − y*)] (y from 0⁻ on the left through y* to y = 6 on the right; beyond
+  y = 6, GELU' = 1 within 4e-8, 1.0 in fp32) from an fp64 bisection of the branch, each point
+  with its slope to the next; backward reads the pair at i = floor(p), p = (s + t_left)/step
+  clamped to the table, and returns value + (p − i)·slope: a sqrt, one 8-byte table read and a
+  multiply-add per element, no erf/exp/tanh. The clamp covers both ends with no special case:
+  y ≥ 0 on the left branch (x → −∞, y underflowed to −0.0) reads GELU' = 0, y > 6 reads 1.
+  A NaN y gives a NaN derivative on both paths (the index is clamped, the weight stays NaN).
+  The table is plain data of the form, built when an ``InplaceGelu`` is built (CPU) or moved
+  (``.to()``/``.cuda()``/``to_empty``: on the target device), and by the forward on a device
+  that has none yet (the functional form, or a module built on the CPU and called on a GPU
+  without ``.to``) — never inside a backward, which CUDA-graph capture without warm-up could not
+  run. ``prepare_derivative_table(device, approximate)`` builds one ahead.
+The CPU (reference) path runs through its tensors CHUNK = 2^17 elements at a time, a dozen
+in-place passes per chunk on scratch that stays in cache. Forward + backward on [2048, 1536]
+fp32, one thread: 17x nn.GELU's time before, 5.5x now (tanh form: 11x, 2.2x); the backward
+alone 63 -> 13 ms, the forward 42 -> 24 ms, which computes in fp64 to round once (see below;
+``python -m tempo.bench.gelu_bench time``, medians on a shared 2-core machine).
 Near x*, dy/dx = 0, so a rounding error dy in the stored y becomes an error of about
 sqrt(2·GELU''(x*)·dy) in the recovered derivative: y must be rounded once, not a few times.
-The reference path computes fp32 GELU in fp64 (as 0.5·x·erfc(−x/√2) and x·σ(2z), which keep
-their relative accuracy on the left) and rounds once; the forward kernel, whose fp32 erf/exp
-are a few ULP off, evaluates y = y* + (x − x*)²·P(x − x*) (Taylor to degree 7, x* and y* split
-head + tail) within |x − x*| < 1/16 instead, which agrees with the reference to 1 ULP.
+The reference path computes fp32 GELU in fp64 (as 0.5·x·(1 + erf(x/√2)) for x ≥ −2,
+0.5·x·erfc(−x/√2) below, and x·σ(2z), which keep their relative accuracy on the left) and
+rounds once; the forward kernel, whose fp32 erf/exp are a few ULP off, evaluates
+y = y* + (x − x*)²·P(x − x*) (Taylor to degree 7, x* and y* split head + tail) within
+|x − x*| < 1/16 instead, which agrees with the reference to 1 ULP.
 The kernel's tanh form uses 0.5·(1 + tanh(z)) = σ(2z) with q = σ(−2|z|) = e/(1 + e),
 e = exp(−2|z|): y = x·q for z < 0 and x − x·q for z ≥ 0. No overflow for any z, no tanh (no
 libdevice), and no cancellation in 1 + tanh(z) on the left, where torch's fp32 formula loses
 most of its digits.
 
-Accuracy of the recovered derivative against the fp64 derivative at the (rounded) input, x on
-100001 points over [−12, 12], 4001 points within 0.02 and 601 within 3e-4 of x*, and the 600
-nearest neighbours of x* in the dtype; kernel figures under Triton's interpreter (CPU), whose
-bf16 store truncates y instead of rounding it. tests/test_gelu.py asserts the bounds:
+Accuracy of the recovered derivative, worst cases over adversarial inputs (``python -m
+tempo.bench.gelu_bench audit``: a dense grid on [−12, 12]; ±0.02 and ±3e-4 around x* and the 600
+nearest dtype and fp32 values of x*, the branch split; the far left tail down to x = −40 with y
+underflowing to −0.0; the table's ends; ±0 and subnormals; the dtype's largest values), against
+the fp64 derivative at the input as the dtype holds it. Kernel figures under Triton's CPU
+interpreter, whose bf16 store truncates y instead of rounding it. tests/test_gelu.py asserts the
+bounds on the same measurement (tempo.bench.gelu_bench.audit_case):
 
                     exact ("none")           tanh
     dtype      reference   kernel     reference   kernel     bound
@@ -40,31 +62,50 @@ bf16 store truncates y instead of rounding it. tests/test_gelu.py asserts the bo
     bf16         1.5e-2    2.3e-2       1.2e-2    2.0e-2     3e-2
     fp16         6.4e-3    6.4e-3       7.0e-3    7.0e-3     1e-2
 
-The worst case is always at the minimum (the amplified rounding of y). Away from it, for
-|x − x*| > 0.05, the fp32 error is at most 2.1e-5 of |GELU'(x)| on both branches, except the
-left branch's far tail (x < −3, |GELU'| < 1.2e-2, the table's last intervals), where it is
-at most 7.7e-6 (exact) / 1.2e-5 (tanh) absolute; the tests assert 1e-4·|GELU'| (+ 2e-5 on the
-left), so a 0.1 % slip on either branch fails them.
-Output y in fp32: the reference path rounds the fp64 value once (0.5 ULP). The tanh kernel is
-within 1.9 ULP of fp64 for x ≥ 0, 7.4 ULP on [−2, 0) and 20 ULP on [−4, −2) (5e-8 absolute
-for all x < 0; torch's fp32 tanh GELU: 1.7, 13 and 8100 ULP), at most 2.4e-7 absolute over
-[−12, 12] (torch 4.3e-7). The exact kernel's tl.erf: 4.5e-7 absolute (torch 1.2e-6).
+Condition: the worst case is always at the minimum, where dy/dx = 0, so the rounding δ of the
+stored y (half an ULP at |y*| ≈ 0.17: fp32 7.5e-9, bf16 4.9e-4, fp16 6.1e-5; a whole ULP when
+truncated) moves the recovered derivative by up to sqrt(2·GELU''(x*)·δ) (fp32 8.0e-5, bf16
+2.1e-2 rounded and 2.9e-2 truncated, fp16 7.3e-3): nothing a table can improve. Away from it,
+for |x − x*| > 0.05 and x ≥ −3, the fp32 error is at most 1.1e-5 (reference) / 1.9e-5 (kernel,
+whose fp32 erf/exp round y a few ULP off) of |GELU'(x)| on both branches; in the left tail
+x < −3 (|GELU'| < 1.2e-2, the table's first intervals, where GELU' has a log singularity in s at
+y = 0⁻) at most 9.9e-6 absolute; tests assert 1e-4·|GELU'| and 2e-5, so a 0.1 % slip fails.
+In 16-bit, y's rounding dominates there too (up to 0.54 of |GELU'| in bf16 where GELU' is small,
+next to x* ± 0.05; 5.1e-2 in fp16). The recovery alone (table and arithmetic against the exact
+inverse of the stored y, in fp32 before rounding to the dtype; every dtype and both paths): at
+most 4.1e-8 absolute within 0.05 of x*, 1.2e-5 of |GELU'| for the rest down to x = −3, 9.9e-6
+absolute below (asserted: 2e-7, 5e-5, 2e-5). Both paths recover the same value within 3e-7.
+Past the table's right end (y > 6) GELU' is exactly 1.0 in fp32 (the gradient passes through
+bit for bit, GELU(inf) = inf with derivative 1); −inf gives NaN, as F.gelu does.
+Output y in fp32: the reference path rounds once an fp64 value accurate to 4e-15 (0.5 ULP). The
+tanh kernel is within 1.9 ULP of fp64 for x ≥ 0, 7.4 ULP on [−2, 0) and 20 ULP on [−4, −2) (5e-8
+absolute for all x < 0; torch's fp32 tanh GELU: 1.7, 13 and 8100 ULP), at most 2.4e-7 absolute
+over [−12, 12] (torch 4.3e-7). The exact kernel's tl.erf: 4.5e-7 absolute (torch 1.2e-6). The
+stock path (no backward) is torch's F.gelu: within one rounding of the dtype of the Tempo path,
+plus torch's own fp32 error on the left (1.2e-6 absolute at most).
 
-Under torch.autocast GELU is not on autocast's lists, so it runs in its input's dtype.
+Unsupported inputs fail the same way eager and under torch.compile: the backend is resolved
+before the op (a forced 'triton' on fp64 raises TypeError, with or without grad; an integer x
+raises TypeError naming 'x'), in Python that torch.compile runs as such (with fullgraph=True,
+Dynamo reports any raise as its own error, carrying this one).
+
+Under autocast GELU is not on autocast's lists, so it runs in its input's dtype.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import struct
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from tempo.ops._backend import check_float_tensor, resolve_backend
-from tempo.ops.bitpack import pack_bits, packed_numel, unpack_bits
+from tempo.ops._backend import check_float_tensor, launch_on, needs_backward, resolve_backend
+from tempo.ops.bitpack import pack_bits, packed_numel
 
 try:
     import triton
@@ -76,6 +117,7 @@ except ImportError:  # CPU-only installs: the reference path needs no Triton
 OP = "InplaceGelu"
 APPROXIMATIONS = ("none", "tanh")
 BACKWARD_BACKENDS = ("triton", "reference")
+logger = logging.getLogger("tempo")
 
 # Import-time constants are plain Python floats: no torch.tensor(...) here, which a
 # ``with torch.device("meta")`` block around the first import would turn into meta tensors.
@@ -87,7 +129,9 @@ Y_STAR_TANH = -0.17004075057125406
 CURVATURE_TANH = 0.4304000910248585
 LEFT_LIMIT = -5.5  # left bracket end: |GELU'(x)| < 6e-7 (exact), 5e-8 (tanh) below it
 RIGHT_Y = 6.0  # beyond y = 6, |GELU' - 1| < 4e-8 (exact), 1e-9 (tanh)
-TABLE_INTERVALS = 4096
+# Table intervals over s in [-t_left, t_right] (about 2.89 wide): step 8.8e-5, finer than the
+# left branch's old 4097-point table, so its far tail (the least smooth part) loses nothing.
+TABLE_INTERVALS = 32768
 _SQRT1_2 = 0.7071067811865476
 _SQRT_2_OVER_PI = 0.7978845608028654
 _TANH_CUBIC = 0.044715
@@ -162,8 +206,22 @@ class GeluForm:
         return math.sqrt(-self.y_star)
 
     @property
-    def t_right(self) -> float:
+    def t_right(self) -> float:  # t at y = RIGHT_Y on the right branch
         return math.sqrt(RIGHT_Y - self.y_star)
+
+    # The derivative table's grid: s = ±t (− on the left branch) on [−t_left, t_right] in
+    # TABLE_INTERVALS equal steps; element position p = (s + t_left) / step.
+    @property
+    def table_step(self) -> float:
+        return (self.t_left + self.t_right) / TABLE_INTERVALS
+
+    @property
+    def inv_step(self) -> float:
+        return 1.0 / self.table_step
+
+    @property
+    def table_offset(self) -> float:  # p at s = 0 (the minimum)
+        return self.t_left / self.table_step
 
 
 FORMS = {
@@ -190,6 +248,12 @@ def check_approximate(approximate: object, op: str = OP) -> str:
     if not isinstance(approximate, str) or approximate not in APPROXIMATIONS:
         raise ValueError(f"{op}: argument 'approximate' must be one of {APPROXIMATIONS}, got {approximate!r}")
     return approximate
+
+
+def _check_backend(backend: object, op: str) -> str:
+    if backend not in BACKWARD_BACKENDS:
+        raise ValueError(f"{op}: argument 'backend' must be one of {BACKWARD_BACKENDS}, got {backend!r}")
+    return backend
 
 
 # ------------------------------------------------------------------------------------------
@@ -229,8 +293,8 @@ if triton is not None:
         tl.store(bits_ptr + byte_offs, byte.to(tl.uint8), mask=byte_offs < (n + 7) // 8)
 
     @triton.jit
-    def _gelu_bwd_kernel(grad_ptr, y_ptr, bits_ptr, table_ptr, dx_ptr, n, y_star_head, y_star_tail, t_left, t_right,
-                         BLOCK: tl.constexpr, INTERVALS: tl.constexpr):
+    def _gelu_bwd_kernel(grad_ptr, y_ptr, bits_ptr, table_ptr, dx_ptr, n, y_star_head, y_star_tail, inv_step,
+                         table_offset, BLOCK: tl.constexpr, INTERVALS: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         in_range = offs < n
@@ -240,17 +304,20 @@ if triton is not None:
         byte = tl.load(bits_ptr + byte_offs, mask=byte_offs < (n + 7) // 8, other=0).to(tl.int32)
         left = tl.reshape((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,)) != 0
 
-        # Table lookup in t = sqrt(y - y*); the table is [left branch | right branch].
-        t = tl.sqrt(tl.maximum((y - y_star_head) - y_star_tail, 0.0))
-        u = tl.minimum(tl.where(left, t / t_left, t / t_right), 1.0) * INTERVALS
-        i = tl.minimum(tl.floor(u), INTERVALS - 1.0)
-        frac = u - i
-        index = i.to(tl.int32) + tl.where(left, 0, INTERVALS + 1)
-        lo = tl.load(table_ptr + index, mask=in_range, other=0.0)
-        hi = tl.load(table_ptr + index + 1, mask=in_range, other=0.0)
-        derivative = lo + frac * (hi - lo)
-        derivative = tl.where(left & (y >= 0.0), 0.0, derivative)  # x -> -inf
-        derivative = tl.where((~left) & (t > t_right), 1.0, derivative)  # large x
+        # The reference path's arithmetic (gelu_derivative_from_output), element by element:
+        # s = ±sqrt(y - y*), position p = s / step + t_left / step on the table's grid, clamped
+        # to [0, INTERVALS] keeping NaN, then value[i] + (p - i)·slope[i] from the table's
+        # (value, slope) pairs, i = floor(p) (pair INTERVALS has slope 0).
+        t = tl.sqrt(tl.maximum((y - y_star_head) - y_star_tail, 0.0, propagate_nan=tl.PropagateNan.ALL))
+        p = t * tl.where(left, -inv_step, inv_step) + table_offset
+        p = tl.minimum(tl.maximum(p, 0.0, propagate_nan=tl.PropagateNan.ALL), INTERVALS * 1.0,
+                       propagate_nan=tl.PropagateNan.ALL)
+        i = p.to(tl.int32)  # p >= 0: truncation is floor
+        weight = p - i.to(tl.float32)  # NaN for a NaN y
+        i = tl.minimum(tl.maximum(i, 0), INTERVALS)  # a NaN p converts to any int: keep the reads inside
+        value = tl.load(table_ptr + 2 * i, mask=in_range, other=0.0)
+        slope = tl.load(table_ptr + 2 * i + 1, mask=in_range, other=0.0)
+        derivative = value + weight * slope
         tl.store(dx_ptr + offs, (g * derivative).to(dx_ptr.dtype.element_ty), mask=in_range)
 
 
@@ -265,9 +332,10 @@ def _forward_triton(x: torch.Tensor, approximate: str = "none") -> tuple[torch.T
     form = FORMS[approximate]
     y = torch.empty_like(x)
     bits = torch.empty(packed_numel(x.numel()), dtype=torch.uint8, device=x.device)
-    _gelu_fwd_kernel[_grid(x.numel())](x, y, bits, x.numel(), form.x_split, form.x_star_head, form.x_star_tail,
-                                       form.y_star_head, form.y_star_tail, *form.taylor,
-                                       TANH=approximate == "tanh", TAYLOR_RADIUS=TAYLOR_RADIUS, BLOCK=_BLOCK)
+    with launch_on(x):
+        _gelu_fwd_kernel[_grid(x.numel())](x, y, bits, x.numel(), form.x_split, form.x_star_head, form.x_star_tail,
+                                           form.y_star_head, form.y_star_tail, *form.taylor,
+                                           TANH=approximate == "tanh", TAYLOR_RADIUS=TAYLOR_RADIUS, BLOCK=_BLOCK)
     return y, bits
 
 
@@ -276,9 +344,10 @@ def _backward_triton(grad: torch.Tensor, y: torch.Tensor, bits: torch.Tensor,
     form = FORMS[approximate]
     dx = torch.empty_like(y)
     table = derivative_table(y.device, torch.float32, approximate)
-    _gelu_bwd_kernel[_grid(y.numel())](grad, y, bits, table, dx, y.numel(), form.y_star_head, form.y_star_tail,
-                                       form.t_left, form.t_right,
-                                       BLOCK=_BLOCK, INTERVALS=TABLE_INTERVALS)
+    with launch_on(y):
+        _gelu_bwd_kernel[_grid(y.numel())](grad, y, bits, table, dx, y.numel(), form.y_star_head, form.y_star_tail,
+                                           form.inv_step, form.table_offset,
+                                           BLOCK=_BLOCK, INTERVALS=TABLE_INTERVALS)
     return dx
 
 
@@ -290,14 +359,34 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """GELU in the tensor's own precision, accurate to a few ULP relative for every x.
+    """GELU of ``x``, computed and returned in fp64 (fp32 and fp64 x) or fp32 (16-bit x), with a
+    relative error of a few ULP of that dtype for every x (fp64: below 4e-15), so rounding it to
+    x's dtype rounds once.
 
     Written as x·Φ(x) = 0.5·x·erfc(−x/√2) and x·σ(2z): the textbook 1 + erf / 1 + tanh cancel
-    on the left (torch's fp64 tanh form is exactly 0 below x ≈ −7.1, where y ≈ −4e-16).
+    on the left (torch's fp64 tanh form is exactly 0 below x ≈ −7.1, where y ≈ −4e-16). In fp64,
+    where erfc costs 2-3x erf on the CPU, 2Φ(x) = 1 + erf(x/√2) for x ≥ −2 (the cancellation
+    costs at most log2(1/(2Φ(−2))) = 4.4 bits of 53: relative error < 4e-15) and erfc(−x/√2) for
+    the x < −2 only. Same-dtype in-place passes on one new buffer: on the CPU a mixed-dtype op or a
+    fresh allocation costs as much as the op itself.
     """
-    if approximate == "tanh":
-        return x * torch.sigmoid(2.0 * _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x * x * x))
-    return 0.5 * x * torch.special.erfc(x * -_SQRT1_2)
+    compute = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+    z = x.to(compute, memory_format=torch.contiguous_format)  # x itself when it already is
+    if approximate == "tanh":  # σ(2·√(2/π)·(x + 0.044715·x³)) = σ(2·√(2/π)·x·(1 + 0.044715·x²))
+        w = torch.mul(z, z)
+        w.mul_(_TANH_CUBIC).add_(1.0).mul_(z).mul_(2.0 * _SQRT_2_OVER_PI).sigmoid_()
+        return w.mul_(z)
+    if compute == torch.float64:
+        w = torch.mul(z, _SQRT1_2)
+        torch.erf(w, out=w)
+        w.add_(1.0)
+        tail = (z < -2.0).view(-1).nonzero().squeeze(1)  # a few % of activations: erfc there
+        z_tail = z.view(-1).index_select(0, tail)
+        w.view(-1).index_copy_(0, tail, torch.special.erfc(z_tail.mul_(-_SQRT1_2)))
+    else:
+        w = torch.mul(z, -_SQRT1_2)
+        torch.special.erfc(w, out=w)
+    return w.mul_(0.5).mul_(z)  # halve first: 2·x overflows fp32 for bf16 x near its largest value
 
 
 def _gelu_slope(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -335,49 +424,126 @@ def invert_gelu(y: torch.Tensor, left: torch.Tensor, approximate: str = "none", 
 
 @functools.lru_cache(maxsize=None)
 def _table_fp64(approximate: str = "none") -> torch.Tensor:
+    """[TABLE_INTERVALS + 1, 2]: (GELU'(s_k), GELU'(s_k+1) − GELU'(s_k)) at s_k = −t_left + k·step,
+    k = 0..TABLE_INTERVALS (the last slope is 0: p = TABLE_INTERVALS reads GELU'(s_last))."""
     form = FORMS[approximate]
     # Explicit CPU device: a surrounding ``with torch.device("meta")`` must not make this meta.
-    t = torch.linspace(0.0, 1.0, TABLE_INTERVALS + 1, dtype=torch.float64, device="cpu")
-    y_left, y_right = form.y_star + (t * form.t_left) ** 2, form.y_star + (t * form.t_right) ** 2
-    left = _gelu_slope(invert_gelu(y_left, torch.ones_like(t, dtype=torch.bool), approximate), approximate)
-    left[-1] = 0.0  # y = 0⁻ is x -> -inf
-    right = _gelu_slope(invert_gelu(y_right, torch.zeros_like(t, dtype=torch.bool), approximate), approximate)
-    left[0] = right[0] = 0.0  # t = 0 is x*, where GELU' = 0 (bisection gets within ~1e-8 of x*)
-    return torch.cat([left, right])
+    s = torch.arange(TABLE_INTERVALS + 1, dtype=torch.float64, device="cpu").mul_(form.table_step).sub_(form.t_left)
+    s[-1] = form.t_right
+    value = _gelu_slope(invert_gelu(form.y_star + s * s, s < 0, approximate), approximate)
+    value[0] = 0.0  # y = 0⁻ is x -> -inf
+    value[s == 0] = 0.0  # x* itself, were it a node (bisection gets within ~1e-8 of x*)
+    slope = torch.zeros_like(value)
+    slope[:-1] = value[1:] - value[:-1]
+    return torch.stack([value, slope], dim=1)
 
 
-_TABLES: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] = {}
+@dataclass(frozen=True)
+class _DerivativeTable:
+    pairs: torch.Tensor  # [TABLE_INTERVALS + 1, 2]: (value, slope) per grid point
+    branch_step: torch.Tensor  # [256, 8]: ±1/step for bit j of a byte (− on the left branch)
+    offset: torch.Tensor  # 0-d: t_left/step, p at the minimum (a tensor for addcmul, made once)
 
 
-def derivative_table(device: torch.device, dtype: torch.dtype, approximate: str = "none") -> torch.Tensor:
-    """GELU' tabulated against t = sqrt(y − y*): [left branch (4097) | right branch (4097)]."""
-    key = (torch.device(device), dtype, approximate)
-    if key not in _TABLES:
-        _TABLES[key] = _table_fp64(approximate).to(device=device, dtype=dtype)
-    return _TABLES[key]
+_TABLES: dict[tuple[torch.device, torch.dtype, str], _DerivativeTable] = {}
+
+
+def _table_key(device: torch.device | str, dtype: torch.dtype, approximate: str):
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, dtype, approximate
+
+
+def _prepared(device: torch.device | str, dtype: torch.dtype, approximate: str) -> _DerivativeTable:
+    key = _table_key(device, dtype, approximate)
+    table = _TABLES.get(key)
+    if table is None:
+        form = FORMS[check_approximate(approximate, "derivative_table")]
+        pairs = _table_fp64(approximate).to(device=key[0], dtype=dtype)
+        byte = torch.arange(256, dtype=torch.int32, device="cpu")
+        left = (byte[:, None] >> torch.arange(8, dtype=torch.int32, device="cpu")) & 1
+        step = (1.0 - 2.0 * left.to(torch.float64)) * form.inv_step
+        offset = torch.tensor(form.table_offset, dtype=dtype, device="cpu").to(key[0])
+        table = _DerivativeTable(pairs, step.to(device=key[0], dtype=dtype), offset)
+        _TABLES[key] = table
+    return table
+
+
+def prepare_derivative_table(device: torch.device | str, approximate: str = "none",
+                             dtype: torch.dtype = torch.float32) -> None:
+    """Build the derivative table of form ``approximate`` on ``device`` now (tens of ms the first
+    time per form and process, then a copy per device), so no backward ever builds one. Called
+    when an ``InplaceGelu`` is built or moved, and by each forward."""
+    if torch.device(device).type != "meta":
+        _prepared(device, dtype, approximate)
+
+
+def derivative_table(device: torch.device | str, dtype: torch.dtype, approximate: str = "none") -> torch.Tensor:
+    """GELU' tabulated on s = ±sqrt(y − y*) (− left of x*) at TABLE_INTERVALS + 1 points evenly
+    spaced on [−t_left, t_right]: [TABLE_INTERVALS + 1, 2] rows (value, slope to the next point)."""
+    return _prepared(device, dtype, approximate).pairs
+
+
+# The reference path works through its tensors CHUNK elements at a time: a dozen passes over a
+# chunk that stays in cache, on scratch the allocator reuses, instead of over whole tensors whose
+# fresh buffers page-fault on every call (3x slower on the CPU, and noisier). A multiple of 8:
+# a chunk's branch bits are whole bytes.
+CHUNK = 1 << 17
+
+
+def _derivative_chunk(y: torch.Tensor, bits: torch.Tensor, table: _DerivativeTable, form: GeluForm,
+                      compute: torch.dtype) -> torch.Tensor:
+    """GELU' (in ``compute``) of the flat chunk ``y`` whose branch bits are the bytes ``bits``."""
+    n = y.numel()
+    if y.dtype == compute:
+        s = torch.sub(y, form.y_star_head)  # y − y* without cancellation: head exact, then tail
+    else:
+        s = y.to(compute)
+        s.sub_(form.y_star_head)
+    s.sub_(form.y_star_tail).clamp_(min=0.0).sqrt_()
+    # p = ∓t/step + t_left/step, the ∓1/step of each element from its bit (one row of 8 per byte).
+    step = table.branch_step.index_select(0, bits.to(torch.int32)).view(-1)[:n]
+    p = torch.addcmul(table.offset, s, step, out=s).clamp_(0.0, float(TABLE_INTERVALS))
+    index = p.to(torch.int32).clamp_(0, TABLE_INTERVALS)  # p >= 0: truncation is floor; NaN -> in range
+    weight = p.frac_()  # NaN for a NaN y (NaN stays NaN through the clamp), so the derivative is NaN
+    if compute == torch.float32:
+        # One read per element: the fp32 (value, slope) pair as one 8-byte word. Strided operands
+        # are fine for addcmul (vectorized), not for lerp (10x slower on them).
+        pairs = table.pairs.view(torch.float64).view(-1).index_select(0, index).view(torch.float32).view(n, 2)
+    else:
+        pairs = table.pairs.index_select(0, index)
+    return torch.addcmul(pairs[:, 0], pairs[:, 1], weight, out=weight)
+
+
+def _check_bits(y: torch.Tensor, bits: torch.Tensor, op: str) -> None:
+    if bits.dtype != torch.uint8 or bits.numel() != packed_numel(y.numel()):
+        raise ValueError(f"{op}: argument 'bits' must hold {packed_numel(y.numel())} uint8 bytes for y of "
+                         f"shape {tuple(y.shape)}, got {bits.numel()} of {bits.dtype}")
+
+
+def _chunks(n: int):
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        yield start, stop, slice(start // 8, (stop + 7) // 8)
 
 
 def gelu_derivative_from_output(y: torch.Tensor, bits: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU'(x) recovered from the output y and the packed branch bits (reference path).
 
-    Returned in fp32 (fp64 for fp64 y): the same lookup the Triton kernel does.
+    Returned in fp32 (fp64 for fp64 y), with y's shape: the Triton kernel's arithmetic, as a
+    dozen in-place passes over each chunk of CHUNK elements.
     """
     form = FORMS[check_approximate(approximate, "gelu_derivative_from_output")]
-    left = unpack_bits(bits, y.shape)
-    y = y.to(_compute_dtype(y))
-    table = derivative_table(y.device, y.dtype, approximate)
-    # In-place arithmetic and masked fills: this runs on every backward of the CPU path.
-    t = (y - form.y_star_head).sub_(form.y_star_tail).clamp_(min=0.0).sqrt_()
-    large_x = t > form.t_right
-    large_x &= ~left
-    per_unit = left.to(y.dtype).mul_(1.0 / form.t_left - 1.0 / form.t_right).add_(1.0 / form.t_right)
-    u = t.mul_(per_unit).clamp_(max=1.0).mul_(TABLE_INTERVALS)
-    i = torch.floor(u).clamp_(max=TABLE_INTERVALS - 1)
-    index = i.to(torch.int32).add_(left.logical_not().to(torch.int32), alpha=TABLE_INTERVALS + 1)
-    lower = table[index]
-    derivative = torch.lerp(lower, table[index.add_(1)], u.sub_(i))
-    derivative.masked_fill_(left & (y >= 0), 0.0)  # x -> -inf
-    return derivative.masked_fill_(large_x, 1.0)
+    _check_bits(y, bits, "gelu_derivative_from_output")
+    compute = _compute_dtype(y)
+    table = _prepared(y.device, compute, approximate)
+    flat, bits = y.reshape(-1), bits.reshape(-1)
+    out = torch.empty(y.shape, dtype=compute, device=y.device)  # owns its storage: not a view
+    flat_out = out.view(-1)
+    for start, stop, byte_range in _chunks(flat.numel()):
+        flat_out[start:stop] = _derivative_chunk(flat[start:stop], bits[byte_range], table, form, compute)
+    return out
 
 
 def _left_of_minimum(x: torch.Tensor, form: GeluForm) -> torch.Tensor:
@@ -393,31 +559,54 @@ def _forward_reference(x: torch.Tensor, approximate: str = "none") -> tuple[torc
     # fp32 is computed in fp64 and rounded once: fp32 erf/tanh are a few ULP off near x*, and
     # backward amplifies exactly that error (2e-4 instead of 4e-5 in the recovered derivative).
     # 16-bit inputs get fp32 math, fp64 inputs fp64. The result has x's shape and owns its storage.
-    bits = pack_bits(_left_of_minimum(x, FORMS[approximate]))
-    compute = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
-    return _gelu(x.to(compute), approximate).to(x.dtype), bits
+    form = FORMS[approximate]
+    flat = x.reshape(-1)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # owns its storage: not a view
+    flat_y = y.view(-1)
+    bits = torch.empty(packed_numel(flat.numel()), dtype=torch.uint8, device=x.device)
+    for start, stop, byte_range in _chunks(flat.numel()):
+        chunk = flat[start:stop]
+        flat_y[start:stop] = _gelu(chunk, approximate)
+        bits[byte_range] = pack_bits(_left_of_minimum(chunk, form))
+    return y, bits
 
 
 def _backward_reference(grad: torch.Tensor, y: torch.Tensor, bits: torch.Tensor,
                         approximate: str = "none") -> torch.Tensor:
-    return gelu_derivative_from_output(y, bits, approximate).mul_(grad).to(y.dtype)
+    form = FORMS[approximate]
+    _check_bits(y, bits, f"{OP}_backward")
+    compute = _compute_dtype(y)
+    table = _prepared(y.device, compute, approximate)
+    flat, flat_grad = y.reshape(-1), grad.reshape(-1)
+    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)  # owns its storage: not a view
+    flat_dx = dx.view(-1)
+    for start, stop, byte_range in _chunks(flat.numel()):
+        derivative = _derivative_chunk(flat[start:stop], bits[byte_range], table, form, compute)
+        # The product in fp32 (fp64), rounded once into y's dtype.
+        torch.mul(derivative, flat_grad[start:stop], out=flat_dx[start:stop])
+    return dx
 
 
 # ------------------------------------------------------------------------------------------
 # Custom ops: opaque to torch.compile (no graph break), with fake and autograd registrations
 # ------------------------------------------------------------------------------------------
 @torch.library.custom_op("tempo::inplace_gelu", mutates_args=())
-def _gelu_op(x: torch.Tensor, approximate: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+def _gelu_op(x: torch.Tensor, approximate: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``backend`` is resolved by the caller (inplace_gelu), outside the op: a request no kernel
+    # can take then fails the same way eager and under torch.compile, before any tracing.
     check_approximate(approximate)
+    _check_backend(backend, OP)
     if x.numel() == 0:
         return torch.empty_like(x), torch.empty(0, dtype=torch.uint8, device=x.device)
-    if resolve_backend(x, OP) == "triton":
+    # The table backward will read, built here at the latest (never in the backward itself).
+    prepare_derivative_table(x.device, approximate, torch.float32 if backend == "triton" else _compute_dtype(x))
+    if backend == "triton":
         return _forward_triton(x, approximate)
     return _forward_reference(x, approximate)
 
 
 @_gelu_op.register_fake
-def _(x: torch.Tensor, approximate: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, approximate: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), x.new_empty(packed_numel(x.numel()), dtype=torch.uint8)
 
 
@@ -428,8 +617,7 @@ def _gelu_backward_op(grad: torch.Tensor, y: torch.Tensor, bits: torch.Tensor, a
     # here could differ (CUDA backward runs on autograd's device thread, outside the forward's
     # thread-local use_backend() block).
     check_approximate(approximate, f"{OP}_backward")
-    if backend not in BACKWARD_BACKENDS:
-        raise ValueError(f"{OP}_backward: argument 'backend' must be one of {BACKWARD_BACKENDS}, got {backend!r}")
+    _check_backend(backend, f"{OP}_backward")
     if y.numel() == 0:
         return torch.empty_like(y)
     grad = grad.contiguous()
@@ -444,20 +632,18 @@ def _(grad: torch.Tensor, y: torch.Tensor, bits: torch.Tensor, approximate: str,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, approximate = inputs
+    _x, approximate, backend = inputs
     y, bits = output
     ctx.mark_non_differentiable(bits)
     # y is the very tensor returned to the caller: the next Linear saves the same storage.
     ctx.save_for_backward(y, bits)
     ctx.approximate = approximate
-    # Same thread and backend context as the forward impl that just ran (an empty x never
-    # reached a kernel, and its backward returns before using the backend).
-    ctx.backend = resolve_backend(x, OP) if x.numel() else "reference"
+    ctx.backend = backend
 
 
 def _backward(ctx, grad_y: torch.Tensor, grad_bits: torch.Tensor | None):
     y, bits = ctx.saved_tensors
-    return _gelu_backward_op(grad_y, y, bits, ctx.approximate, ctx.backend), None
+    return _gelu_backward_op(grad_y, y, bits, ctx.approximate, ctx.backend), None, None
 
 
 _gelu_op.register_autograd(_backward, setup_context=_setup_context)
@@ -468,19 +654,41 @@ _gelu_op.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------
 def inplace_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU (``approximate`` 'none': erf, 'tanh': tanh form) keeping only its output and 1 bit
-    per element for backward."""
+    per element for backward; ``F.gelu`` (keeping nothing) when no backward can follow."""
     check_float_tensor(x, "x", OP)
     check_approximate(approximate)
-    y, _bits = _gelu_op(x.contiguous(), approximate)  # kernels index the flat storage
+    # Resolved (and refused: 'triton' forced on fp64 or where it cannot run) whatever the grad
+    # mode, so a request is an error or not independently of no_grad.
+    backend = resolve_backend(x, OP)
+    if not needs_backward(x):
+        return F.gelu(x, approximate=approximate)
+    y, _bits = _gelu_op(x.contiguous(), approximate, backend)  # kernels index the flat storage
     return y
 
 
 class InplaceGelu(nn.Module):
-    """Drop-in for ``nn.GELU(approximate)`` keeping only its output + 1 bit per element."""
+    """Drop-in for ``nn.GELU(approximate)`` keeping only its output + 1 bit per element.
+
+    Its derivative table is built with the module (CPU) and on each device it is moved to, so
+    the first backward finds it ready (CUDA-graph capture needs no warm-up for it)."""
 
     def __init__(self, approximate: str = "none"):
         super().__init__()
         self.approximate = check_approximate(approximate)
+        prepare_derivative_table("cpu", self.approximate)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        # The module has no tensors of its own: where ``fn`` sends an empty fp32 tensor is where
+        # the module now runs (``.to(device)``, ``.cuda()``, ``to_empty(device=...)``).
+        try:
+            device = fn(torch.zeros(0, device="cpu")).device
+        except Exception as err:  # noqa: BLE001 - an _apply function written for parameters only
+            logger.warning("%s: could not tell which device the module moves to (%r); its derivative table "
+                           "will be built by the first forward there", OP, err)
+            return module
+        prepare_derivative_table(device, self.approximate)
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return inplace_gelu(x, self.approximate)
