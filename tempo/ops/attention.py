@@ -763,6 +763,192 @@ def _stock_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p:
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
 
 
+# ----------------------------------------------------------------------------------------------
+# Variable-length attention: the T real tokens of B packed sequences (issue 19, unpadding).
+# ----------------------------------------------------------------------------------------------
+_VAR_OP = "efficient_attention_varlen"
+
+
+def _sequence_seed(seed: int, index: int) -> int:
+    """The dropout seed of sequence ``index``: a splitmix64 mix, so sequences draw independent
+    streams (63 bits: it becomes a 0-d int64 tensor)."""
+    return _tile_seed(seed ^ 0x5EED5EED5EED5EED, index, 1 << 20) & ((1 << 63) - 1)
+
+
+def _bounds(cu_seqlens: Tensor) -> list[tuple[int, int, int]]:
+    """(index, start, end) of each non-empty sequence; one host read (reference path only)."""
+    offsets = [int(o) for o in cu_seqlens.tolist()]
+    return [(i, a, b) for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])) if b > a]
+
+
+def _as_sequence(x: Tensor, a: int, b: int) -> Tensor:
+    return x[a:b].transpose(0, 1).unsqueeze(0)  # [L, H, D] rows of one sequence -> [1, H, L, D]
+
+
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, seed: Tensor, p: float,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    t, h, _ = q.shape
+    out = q.new_zeros((t, h, v.shape[2]))
+    stats = torch.zeros((t, h, 2), dtype=_stats_dtype(q.dtype), device=q.device)
+    seed_int = int(seed.item()) if p > 0.0 else 0
+    for i, a, b in _bounds(cu_seqlens):
+        s_seed = torch.tensor(_sequence_seed(seed_int, i), dtype=torch.int64)
+        o, st = _reference_forward(_as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b),
+                                   None, s_seed, p, False, scale)
+        out[a:b] = o[0].transpose(0, 1)
+        stats[a:b] = st[0].transpose(0, 1)
+    return out, stats
+
+
+def _varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
+                     cu_seqlens: Tensor, seed: Tensor, p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    seed_int = int(seed.item()) if p > 0.0 else 0
+    for i, a, b in _bounds(cu_seqlens):
+        s_seed = torch.tensor(_sequence_seed(seed_int, i), dtype=torch.int64)
+        gq, gk, gv, _ = _reference_backward(
+            _as_sequence(grad_out, a, b), _as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b),
+            _as_sequence(out, a, b), _as_sequence(stats, a, b), None, s_seed, p, False, scale, False)
+        dq[a:b], dk[a:b], dv[a:b] = gq[0].transpose(0, 1), gk[0].transpose(0, 1), gv[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("tempo::efficient_attention_varlen_fwd", mutates_args=())
+def _varlen_fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, seed: Tensor, dropout_p: float,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    with torch.autocast(q.device.type, enabled=False):
+        return _varlen_forward(q, k, v, cu_seqlens, seed, dropout_p, scale)
+
+
+@_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens, seed, dropout_p, scale):
+    t, h, _ = q.shape
+    return q.new_empty((t, h, v.shape[2])), q.new_empty((t, h, 2), dtype=_stats_dtype(q.dtype))
+
+
+@torch.library.custom_op("tempo::efficient_attention_varlen_bwd", mutates_args=())
+def _varlen_bwd_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
+                   cu_seqlens: Tensor, seed: Tensor, dropout_p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    with torch.autocast(q.device.type, enabled=False):
+        return _varlen_backward(grad_out, q, k, v, out, stats, cu_seqlens, seed, dropout_p, scale)
+
+
+@_varlen_bwd_op.register_fake
+def _(grad_out, q, k, v, out, stats, cu_seqlens, seed, dropout_p, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, seed, dropout_p, scale = inputs
+    out, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, stats, cu_seqlens, seed)
+    ctx.dropout_p, ctx.scale = dropout_p, scale
+
+
+def _varlen_backward_rule(ctx, grad_out, grad_stats):
+    q, k, v, out, stats, cu_seqlens, seed = ctx.saved_tensors
+    if grad_out is None:
+        return None, None, None, None, None, None, None
+    dq, dk, dv = _varlen_bwd_op(grad_out, q, k, v, out, stats, cu_seqlens, seed, ctx.dropout_p, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+_varlen_fwd_op.register_autograd(_varlen_backward_rule, setup_context=_varlen_setup_context)
+
+
+def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(t, name, _VAR_OP)
+        if t.dim() != 3:
+            raise ValueError(f"{_VAR_OP}: argument '{name}' must be 3-D (total_tokens, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{_VAR_OP}: arguments 'q', 'k', 'v' must have the same dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device == cu_seqlens.device):
+        raise ValueError(f"{_VAR_OP}: arguments 'q', 'k', 'v', 'cu_seqlens' must be on the same device, got "
+                         f"{q.device}, {k.device}, {v.device}, {cu_seqlens.device}")
+    if not (q.shape[:2] == k.shape[:2] == v.shape[:2]) or q.shape[2] != k.shape[2]:
+        raise ValueError(f"{_VAR_OP}: arguments 'q', 'k', 'v' must share (total_tokens, heads) and q, k the "
+                         f"head dim, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if (not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+            or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{_VAR_OP}: argument 'cu_seqlens' must be an int32/int64 tensor [batch + 1], got "
+                         f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else type(cu_seqlens)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{_VAR_OP}: argument 'max_seqlen' must be a non-negative int, got {max_seqlen!r}")
+
+
+def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                               dropout_p: float = 0.0, training: bool = True, scale: Optional[float] = None,
+                               *, seed: Optional[Tensor] = None) -> Tensor:
+    """Attention over packed sequences: ``q``, ``k``, ``v`` are [T, heads, head_dim] holding B
+    sequences back to back (sequence b is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``, the layout of
+    ``tempo.unpad.TokenLayout``); each token attends the tokens of its own sequence only, with no
+    mask and no padding: Σ L_b² scores instead of B·L². Returns [T, heads, d_v].
+
+    Keeps what ``efficient_attention`` keeps, per real token: q, k, v, the output, two fp32 row
+    statistics per (token, head), a 0-d seed, plus the B + 1 offsets. Exactness as there (the
+    same tiled arithmetic runs on each sequence; padded and unpadded batches agree to rounding
+    with dropout off). Dropout draws one independent stream per sequence from ``seed`` (the keep
+    masks differ from the padded op's, as every dropout layer's do once tokens move).
+
+    Paths: without a backward (eval, no_grad, frozen) the stock sdpa runs on each sequence (CPU)
+    or on nested jagged tensors (CUDA) and keeps nothing. CUDA with a backward: stock sdpa on
+    nested jagged tensors, which runs the flash or efficient kernel with cu_seqlens (never cuDNN,
+    which nested tensors do not take; never math: it would keep L_b² scores), offered and
+    intersected with the user's switches as in ``efficient_attention``; a call neither takes runs
+    the reference op (logged once). Reference (CPU, backend "reference"): a custom op that runs
+    ``efficient_attention``'s tiled forward and backward on each sequence (one host read of
+    ``cu_seqlens`` per call).
+    """
+    _check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
+    p = check_probability(dropout_p, "dropout_p", _VAR_OP)
+    if not training:
+        p = 0.0
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
+    scale = float(scale)
+    grad = needs_backward(q, k, v)
+    seeded = seed is not None and p > 0.0
+    if torch.is_autocast_enabled(q.device.type) and q.dtype in _AUTOCAST_ELIGIBLE:
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+
+    if _is_cuda(q) and not seeded and (not grad or requested_backend() != "reference"):
+        st = _cuda_state(str(q.device))
+        proxy = [x.unsqueeze(0).transpose(1, 2) for x in (q, k, v)]  # [1, H, T, D]: what the kernels see
+        backends = [b for b in _fused_backends(*proxy, None, p, False, grad, st)
+                    if b.name != "CUDNN_ATTENTION"]  # nested tensors take flash and efficient only
+        if not grad and st.math:
+            from torch.nn.attention import SDPBackend
+            backends.append(SDPBackend.MATH)
+        if backends:
+            offsets = cu_seqlens.to(torch.int64)
+            nested = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets, max_seqlen=max_seqlen)
+                      .transpose(1, 2) for x in (q, k, v)]
+            out = _sdpa(*nested, None, p, False, scale, backends)
+            return out.transpose(1, 2).values()
+        _log_fallback_once(_no_fused_reason(proxy[0], proxy[2], None, p, False, st) + " (variable length)")
+    elif not grad and not seeded:
+        with torch.autocast(q.device.type, enabled=False):
+            out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+            for _, a, b in _bounds(cu_seqlens):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    _as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b), dropout_p=p, scale=scale)
+                out[a:b] = o[0].transpose(0, 1)
+            return out
+
+    if seed is None:
+        seed = draw_seed(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64, device=q.device)
+    else:
+        seed = seed.to(device=q.device, dtype=torch.int64).reshape(())
+    out, _ = _varlen_fwd_op(q, k, v, cu_seqlens, seed, p, scale)
+    return out
+
+
 class EfficientAttention(nn.Module):
     """``efficient_attention`` with the module's dropout probability and ``self.training``."""
 
@@ -779,4 +965,4 @@ class EfficientAttention(nn.Module):
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "FUSED_MASK_FLOOR", "EfficientAttention", "attention_keep_mask", "draw_seed",
-           "efficient_attention"]
+           "efficient_attention", "efficient_attention_varlen"]
