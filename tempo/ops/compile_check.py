@@ -226,6 +226,17 @@ def _backward(out, *inputs) -> None:
     del grads
 
 
+def _affine(h: int, kept: bool):
+    """γ = 1, β = 0; with ``kept``, every 97th γ is 0 under β = 1: those columns' x̂ cannot be
+    recovered from y, so the forward keeps them and both kernels take their HAS_KEPT branch."""
+    import torch
+
+    w, b = torch.ones(h), torch.zeros(h)
+    if kept:
+        w[::97], b[::97] = 0.0, 1.0
+    return w.requires_grad_(), b.requires_grad_()
+
+
 def _layernorm_workload(log: Callable[[str], None]) -> None:
     import torch
 
@@ -233,17 +244,17 @@ def _layernorm_workload(log: Callable[[str], None]) -> None:
 
     for h in (1024, 4096, 16384):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for affine in (True, False):
+            for affine, kept in ((True, False), (True, True), (False, False)):
                 # 16 rows: several rows per backward program, as on a GPU at real batch sizes.
                 x = torch.randn(16, h, dtype=dtype, requires_grad=True)
-                w = torch.ones(h, requires_grad=True) if affine else None
-                b = torch.zeros(h, requires_grad=True) if affine else None
+                w, b = _affine(h, kept) if affine else (None, None)
                 _backward(inplace_layernorm(x, h, w, b), x, w, b)
         # Under autocast a fp32 residual sum is normalised into a bf16 output.
-        x = torch.randn(16, h, requires_grad=True)
-        w, b = torch.ones(h, requires_grad=True), torch.zeros(h, requires_grad=True)
-        _backward(inplace_layernorm(x, h, w, b, out_dtype=torch.bfloat16), x, w, b)
-    log("layernorm: h = 1024, 4096, 16384")
+        for kept in (False, True):
+            x = torch.randn(16, h, requires_grad=True)
+            w, b = _affine(h, kept)
+            _backward(inplace_layernorm(x, h, w, b, out_dtype=torch.bfloat16), x, w, b)
+    log("layernorm: h = 1024, 4096, 16384; with and without kept columns")
 
 
 def _gelu_workload(log: Callable[[str], None]) -> None:
@@ -306,13 +317,14 @@ def _dropout_add_layernorm_workload(log: Callable[[str], None]) -> None:
             for p, training in ((0.1, True), (0.0, False)):
                 x = torch.randn(16, h, dtype=dtype, requires_grad=True)
                 residual = torch.randn(16, h, dtype=dtype, requires_grad=True)
-                w, b = torch.ones(h, requires_grad=True), torch.zeros(h, requires_grad=True)
-                out = op(x, residual, (h,), w, b, 1e-12, p, training)
-                _backward(out if isinstance(out, torch.Tensor) else out[0], x, residual, w, b)
+                for kept in (False, True):
+                    w, b = _affine(h, kept)
+                    out = op(x, residual, (h,), w, b, 1e-12, p, training)
+                    _backward(out if isinstance(out, torch.Tensor) else out[0], x, residual, w, b)
     keep_mask = getattr(module, "dropout_add_layernorm_keep_mask", None)
     if keep_mask is not None:
         keep_mask(torch.tensor(1), (16, 1024), 0.1, "cpu", "triton")
-    log("dropout_add_layernorm: h = 1024, 4096")
+    log("dropout_add_layernorm: h = 1024, 4096; with and without kept columns")
 
 
 # The module each workload exercises (kernels there that no launch reached are reported).

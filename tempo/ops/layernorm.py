@@ -147,7 +147,7 @@ if triton is not None:
 
     @triton.jit
     def _layernorm_fwd_kernel(
-        X, Y, W, B, RSTD, SLOTS, KEPT, K,
+        X, Y, W, B, RSTD, MEAN,
         x_row_stride, y_row_stride, N, eps,
         HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
@@ -162,9 +162,10 @@ if triton is not None:
         rstd = tl.math.rsqrt(var + eps)
         y = centered * rstd
         if HAS_KEPT:
-            # x̂ of the columns whose recovery from y would be ill-conditioned, in fp32.
-            slot = tl.load(SLOTS + cols, mask=in_row, other=-1)
-            tl.store(KEPT + row * K + slot, y, mask=slot >= 0)
+            # The row mean, from which the host gathers the kept columns' x̂ = (x − mean)·rstd with
+            # this kernel's arithmetic (a scatter of them from here spills registers at 16384
+            # features: a 64-bit address per element).
+            tl.store(MEAN + row, mean)
         if HAS_WEIGHT:
             y = y * tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -320,7 +321,9 @@ _WIDE_WARPS = 8
 
 
 def _num_warps(block_n: int) -> int:
-    if block_n >= 8192:
+    # 16 warps from 4096 features: with 8, triton 3.6 spills registers in the 4096-wide backward
+    # (fp32 in, bf16 out) on sm_80 (the compile gate found it).
+    if block_n >= 4096:
         return 16
     if block_n >= 2048:
         return 8
@@ -346,17 +349,22 @@ def _layernorm_fwd_triton(x: Tensor, n: int, weight: Optional[Tensor], bias: Opt
     # y has x's shape (not a 2-D buffer viewed back): the kernel just writes rows of n.
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    kept_xhat = torch.empty((rows, kept_cols.numel()), dtype=torch.float32, device=x.device)
+    has_kept = kept_cols.numel() > 0
     block_n = triton.next_power_of_2(n)
-    dummy = rstd  # stands in for absent weight/bias pointers; never read (constexpr flags)
-    slots, kept_arg, k = _kept_args(kept_cols, kept_xhat, n, dummy)
+    dummy = rstd  # stands in for absent weight/bias/mean pointers; never touched (constexpr flags)
+    mean = torch.empty((rows,), dtype=torch.float32, device=x.device) if has_kept else dummy
     with launch_on(x):
         _layernorm_fwd_kernel[(rows,)](
-            x, y, weight if weight is not None else dummy, bias if bias is not None else dummy, rstd,
-            slots, kept_arg, k, n, n, n, eps,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_KEPT=kept_cols.numel() > 0,
+            x, y, weight if weight is not None else dummy, bias if bias is not None else dummy, rstd, mean,
+            n, n, n, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_KEPT=has_kept,
             BLOCK_N=block_n, num_warps=_num_warps(block_n),
         )
+    if not has_kept:
+        return y, rstd, torch.empty((rows, 0), dtype=torch.float32, device=x.device)
+    # x̂ of the columns whose recovery from y would be ill-conditioned: the kernel's fp32
+    # (x − mean)·rstd, elementwise the same operations in the same order.
+    kept_xhat = (x.reshape(rows, n)[:, kept_cols].float() - mean[:, None]) * rstd[:, None]
     return y, rstd, kept_xhat
 
 
