@@ -48,6 +48,19 @@ def test_equals_efficient_attention_on_each_sequence(dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_causal_equals_causal_attention_on_each_sequence():
+    q, k, v, cu = packed(LENGTHS)
+    out = efficient_attention_varlen(q, k, v, cu, max(LENGTHS), is_causal=True)
+    ref = per_sequence(lambda *s: efficient_attention(*s, is_causal=True), q, k, v, cu)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():  # the stock path, causal too
+        torch.testing.assert_close(efficient_attention_varlen(q, k, v, cu, max(LENGTHS), is_causal=True), out,
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_close_to_fp64_attention_with_padding_mask():
     """The padded batch with a key-padding mask, in fp64 eager arithmetic, is the truth."""
     lengths = [7, 3, 12]
@@ -149,7 +162,7 @@ def test_bad_arguments_are_named():
 def test_opcheck():
     q, k, v, cu = packed([3, 5], h=2, d=8)
     opcheck(torch.ops.tempo.efficient_attention_varlen_fwd.default,
-            (q, k, v, cu, torch.tensor(3), 0.25, 0.3))
+            (q, k, v, cu, torch.tensor(3), 0.25, True, 0.3))
 
 
 def test_compiles_with_a_dynamic_token_count():

@@ -143,3 +143,19 @@ def test_hf_provider_trains_and_counts_all_positions():
     assert r["anatomy"]["activations"] > 0
     with pytest.raises(BenchError, match="Tempo layers apply to our model only"):
         run_train_bench(TrainBenchConfig(model="hf:bert-tiny", tempo_layers="layernorm", device="cpu"))
+
+
+def test_padded_synthetic_batches_and_unpadded_runs():
+    """--padding draws right-padded batches with about that share of padding; --unpad runs our
+    BERT on their real tokens, reports real tokens/s and keeps fewer activation bytes."""
+    cfg = dict(TINY, steps=1, warmup=0, seq_len=64, batch_size=8)
+    runs = {unpad: run_train_bench(TrainBenchConfig(**cfg, precision="fp32", padding=0.5, unpad=unpad))
+            for unpad in (False, True)}
+    for r in runs.values():
+        assert 0.4 < r["padding_share"] < 0.6
+        assert 0 < r["real_tokens_per_s"] < r["tokens_per_s"]
+    assert runs[True]["unpad"] and not runs[False]["unpad"]
+    # Less, not half: bert_tiny's MLM logits [B, predictions, 30522] dominate and do not shrink.
+    assert runs[True]["anatomy"]["activations"] < 0.95 * runs[False]["anatomy"]["activations"]
+    with pytest.raises(BenchError, match="--padding"):
+        TrainBenchConfig(model="bert_tiny", padding=0.7).validate()

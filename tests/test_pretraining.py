@@ -105,6 +105,25 @@ def test_tempo_keeps_fewer_bytes_than_original(data, tmp_path):
     assert kept["--tempo"] < 0.8 * kept["--no-tempo"]
 
 
+@pytest.mark.parametrize("layers", ["--tempo", "--no-tempo"])
+def test_unpad_trains_the_same_as_padded_and_keeps_fewer_bytes(data, tmp_path, layers):
+    """Dropout off: the unpadded run's step losses equal the padded run's (same data, same init).
+    (These s = 32 shards are 1% padding: bytes saved are tested in test_unpad_model.py.)"""
+    runs = {}
+    for flag in ("--unpad", "--no-unpad"):
+        out = tmp_path / flag.strip("-")
+        _run(_cmd(data, out, layers, flag, steps=3, batch=8) + ["--config_file", str(data["config_nodrop"]),
+                                                                "--skip_checkpoint"])
+        runs[flag] = (_step_losses(out / "dllogger.json"), _summary(out / "dllogger.json"))
+    (unpadded, u), (padded, p) = runs["--unpad"], runs["--no-unpad"]
+    for step in padded:
+        assert abs(unpadded[step] - padded[step]) <= 1e-5 * abs(padded[step]), step
+    assert u["unpad"] is True and p["unpad"] is False
+    for s in (u, p):  # real tokens per sequence: 98-99% of SEQ in these shards
+        per_sequence = s["training_real_tokens_per_second"] / s["training_sequences_per_second"]
+        assert 0.9 * SEQ < per_sequence < SEQ
+
+
 def test_stop_and_resume_reproduces_uninterrupted_losses(data, tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
     _run(_cmd(data, full, steps=8))

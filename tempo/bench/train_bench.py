@@ -62,6 +62,8 @@ class TrainBenchConfig:
     flops_formula: str = "gemm"
     peak_tflops: float | None = None  # override the table (e.g. an unknown GPU)
     hf_head: str = "pretraining"
+    unpad: bool = False              # run on the real tokens only (our BERT)
+    padding: float = 0.0             # share of padding tokens in the synthetic batches, 0..0.5
     max_grad_norm: float = 1.0       # the trainers' clipping policy (tempo/train/step.py)
 
     @property
@@ -97,6 +99,11 @@ class TrainBenchConfig:
             raise BenchError(str(exc)) from None
         if not 0 < self.predictions <= self.seq_len:
             raise BenchError("--max-predictions must be in [1, seq-len]")
+        if self.unpad and self.model.startswith("hf:"):
+            raise BenchError("--unpad runs our BERT only; for transformers' models use apply_tempo's padding-free "
+                             "path (DataCollatorWithFlattening)")
+        if not 0.0 <= self.padding <= 0.5:
+            raise BenchError(f"--padding must be in [0, 0.5], got {self.padding}")
         if self.flops_formula not in FORMULAS:
             raise BenchError(f"--flops-formula must be one of {FORMULAS}")
 
@@ -125,6 +132,10 @@ def add_train_args(p: argparse.ArgumentParser, with_batch_size: bool = True) -> 
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="attention core (default: tempo when Tempo attention is on, else eager)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--unpad", action="store_true", help="compute on the real tokens only (our BERT; tempo.unpad)")
+    p.add_argument("--padding", type=float, default=d.padding,
+                   help="share of padding tokens in the synthetic batches, 0..0.5: each sequence's length is "
+                        "drawn uniformly from [L(1-2P), L] (default 0: packed data)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
@@ -166,23 +177,34 @@ def config_to_argv(cfg: TrainBenchConfig) -> list[str]:
 
 # -- building blocks -----------------------------------------------------------------------------
 def synthetic_batches(vocab_size: int, batch: int, seq_len: int, predictions: int, device: torch.device,
-                      count: int = 2, seed: int = 0, hf_labels: bool = False) -> list[dict[str, torch.Tensor]]:
+                      count: int = 2, seed: int = 0, hf_labels: bool = False,
+                      padding: float = 0.0) -> list[dict[str, torch.Tensor]]:
     """``count`` random pretraining batches in DLE's layout, already on ``device``.
 
-    Every token is real (no padding), as packed pretraining data is; masked positions are
-    distinct and sorted per sequence; labels are never -1, so the MLM loss covers all of them.
+    With ``padding`` 0 every token is real, as packed pretraining data is; otherwise each
+    sequence's length is drawn uniformly from [L(1 - 2·padding), L] (right padding), so about that
+    share of the tokens is padding. Masked positions are distinct, sorted and inside the real
+    tokens (at most the sequence's length of them; the rest are label -1, as DLE pads them).
     """
     g = torch.Generator().manual_seed(seed)
     out = []
+    low = max(1, int(round(seq_len * (1 - 2 * padding))))
     for _ in range(count):
-        positions = torch.rand(batch, seq_len, generator=g).argsort(dim=1)[:, :predictions].sort(dim=1).values
-        segment = (torch.arange(seq_len) >= seq_len // 2).long().expand(batch, seq_len)
+        lengths = torch.randint(low, seq_len + 1, (batch,), generator=g) if padding > 0 else torch.full((batch,), seq_len)
+        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+        # Random keys, padding pushed past every real position: the first `predictions` are real.
+        keys = torch.rand(batch, seq_len, generator=g) + (1 - mask) * 2
+        positions = keys.argsort(dim=1)[:, :predictions].sort(dim=1).values
+        labels = torch.randint(0, vocab_size, (batch, predictions), generator=g)
+        labels = labels.masked_fill(mask.gather(1, positions) == 0, -1)
+        positions = positions * mask.gather(1, positions)  # padding predictions point at token 0, label -1
+        segment = (torch.arange(seq_len)[None, :] >= (lengths[:, None] // 2)).long() * mask
         b = {
-            "input_ids": torch.randint(0, vocab_size, (batch, seq_len), generator=g),
+            "input_ids": torch.randint(0, vocab_size, (batch, seq_len), generator=g) * mask,
             "segment_ids": segment.contiguous(),
-            "input_mask": torch.ones(batch, seq_len, dtype=torch.long),
+            "input_mask": mask,
             "masked_lm_positions": positions,
-            "masked_lm_labels": torch.randint(0, vocab_size, (batch, predictions), generator=g),
+            "masked_lm_labels": labels,
             "next_sentence_labels": torch.randint(0, 2, (batch,), generator=g),
         }
         if hf_labels:
@@ -223,7 +245,7 @@ def build_model(cfg: TrainBenchConfig) -> BuiltModel:
     kinds = cfg.tempo_kinds
     options = cfg.choice
     try:
-        model = BertForPreTraining(config, options, checkpoint_activations=cfg.grad_ckpt)
+        model = BertForPreTraining(config, options, checkpoint_activations=cfg.grad_ckpt, unpad=cfg.unpad)
     except ImportError as exc:  # a Tempo layer not in this checkout yet
         raise BenchError(f"Tempo layers {kinds} cannot be built here ({exc}); choose other --tempo-layers") from None
 
@@ -300,7 +322,8 @@ def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> di
     model = built.model.to(device).train()
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr)
     batches = synthetic_batches(built.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.predictions, device,
-                                count=2, seed=cfg.seed + rt.rank, hf_labels=built.provider == "hf")
+                                count=2, seed=cfg.seed + rt.rank, hf_labels=built.provider == "hf",
+                                padding=cfg.padding)
 
     # Ledger first, on the eager model, before the allocator peak is reset.
     activations = _ledger_bytes(built, batches[0], cfg.precision, device)
@@ -339,7 +362,7 @@ def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> di
                                        f"budget {format_bytes(cfg.memory_budget)}")
         if step == cfg.warmup + cfg.steps - 1:
             loss_value = out.loss.item()
-        clock.end_step(out.samples * rt.world_size)
+        clock.end_step(out.samples * rt.world_size, out.tokens * rt.world_size)
         if on_step is not None:
             on_step(step)
     clock.stop()
@@ -384,6 +407,10 @@ def _run(cfg: TrainBenchConfig, rt, on_step: Callable[[int], None] | None) -> di
         "world_size": rt.world_size,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * cfg.seq_len,
+        "real_tokens_per_s": clock.timed_tokens / sum(timed) if timed and sum(timed) > 0 else float("nan"),
+        "padding_share": 1.0 - sum(int(b["input_mask"].count_nonzero()) for b in batches)
+                         / sum(b["input_mask"].numel() for b in batches),
+        "unpad": cfg.unpad,
         "step_time_ms": {k: v * 1000 for k, v in spread(timed).items()},
         "step_times_s": step_times,
         "warmup_steps": cfg.warmup,
@@ -411,7 +438,9 @@ def format_summary(r: dict[str, Any]) -> str:
         f"grad_ckpt {c['grad_ckpt']}, compile {c['compile']}, {r['env']['device_name']}",
         f"  {r['samples_per_s']:.2f} samples/s | step p20/p50/p80 {t['p20']:.1f}/{t['p50']:.1f}/{t['p80']:.1f} ms "
         f"| {r['model_tflops_per_device']:.2f} TFLOPS/device ({r['flops']['per_sequence'] / 1e9:.1f} GFLOP/seq, "
-        f"{r['flops']['formula']}) | MFU {mfu_text}",
+        f"{r['flops']['formula']}; counts every position, padding too) | MFU {mfu_text}",
+        f"  {r['real_tokens_per_s']:.0f} real tokens/s, padding {r['padding_share']:.1%} of the batch, "
+        f"{'unpadded (real tokens only)' if r['unpad'] else 'padded'}",
         f"  memory: weights {format_bytes(a['weights'])}, grads {format_bytes(a['gradients'])}, "
         f"optimizer {format_bytes(a['optimizer_states'])}, activations {format_bytes(a['activations'])}, "
         f"temporaries {format_bytes(a['temporaries'])}",

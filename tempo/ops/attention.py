@@ -786,7 +786,7 @@ def _as_sequence(x: Tensor, a: int, b: int) -> Tensor:
 
 
 def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, seed: Tensor, p: float,
-                    scale: float) -> tuple[Tensor, Tensor]:
+                    is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     t, h, _ = q.shape
     out = q.new_zeros((t, h, v.shape[2]))
     stats = torch.zeros((t, h, 2), dtype=_stats_dtype(q.dtype), device=q.device)
@@ -794,71 +794,75 @@ def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, seed: T
     for i, a, b in _bounds(cu_seqlens):
         s_seed = torch.tensor(_sequence_seed(seed_int, i), dtype=torch.int64)
         o, st = _reference_forward(_as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b),
-                                   None, s_seed, p, False, scale)
+                                   None, s_seed, p, is_causal, scale)
         out[a:b] = o[0].transpose(0, 1)
         stats[a:b] = st[0].transpose(0, 1)
     return out, stats
 
 
 def _varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
-                     cu_seqlens: Tensor, seed: Tensor, p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                     cu_seqlens: Tensor, seed: Tensor, p: float, is_causal: bool,
+                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     seed_int = int(seed.item()) if p > 0.0 else 0
     for i, a, b in _bounds(cu_seqlens):
         s_seed = torch.tensor(_sequence_seed(seed_int, i), dtype=torch.int64)
         gq, gk, gv, _ = _reference_backward(
             _as_sequence(grad_out, a, b), _as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b),
-            _as_sequence(out, a, b), _as_sequence(stats, a, b), None, s_seed, p, False, scale, False)
+            _as_sequence(out, a, b), _as_sequence(stats, a, b), None, s_seed, p, is_causal, scale, False)
         dq[a:b], dk[a:b], dv[a:b] = gq[0].transpose(0, 1), gk[0].transpose(0, 1), gv[0].transpose(0, 1)
     return dq, dk, dv
 
 
 @torch.library.custom_op("tempo::efficient_attention_varlen_fwd", mutates_args=())
 def _varlen_fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, seed: Tensor, dropout_p: float,
-                   scale: float) -> tuple[Tensor, Tensor]:
+                   is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     with torch.autocast(q.device.type, enabled=False):
-        return _varlen_forward(q, k, v, cu_seqlens, seed, dropout_p, scale)
+        return _varlen_forward(q, k, v, cu_seqlens, seed, dropout_p, is_causal, scale)
 
 
 @_varlen_fwd_op.register_fake
-def _(q, k, v, cu_seqlens, seed, dropout_p, scale):
+def _(q, k, v, cu_seqlens, seed, dropout_p, is_causal, scale):
     t, h, _ = q.shape
     return q.new_empty((t, h, v.shape[2])), q.new_empty((t, h, 2), dtype=_stats_dtype(q.dtype))
 
 
 @torch.library.custom_op("tempo::efficient_attention_varlen_bwd", mutates_args=())
 def _varlen_bwd_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
-                   cu_seqlens: Tensor, seed: Tensor, dropout_p: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                   cu_seqlens: Tensor, seed: Tensor, dropout_p: float, is_causal: bool,
+                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
     with torch.autocast(q.device.type, enabled=False):
-        return _varlen_backward(grad_out, q, k, v, out, stats, cu_seqlens, seed, dropout_p, scale)
+        return _varlen_backward(grad_out, q, k, v, out, stats, cu_seqlens, seed, dropout_p, is_causal, scale)
 
 
 @_varlen_bwd_op.register_fake
-def _(grad_out, q, k, v, out, stats, cu_seqlens, seed, dropout_p, scale):
+def _(grad_out, q, k, v, out, stats, cu_seqlens, seed, dropout_p, is_causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, seed, dropout_p, scale = inputs
+    q, k, v, cu_seqlens, seed, dropout_p, is_causal, scale = inputs
     out, stats = output
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, stats, cu_seqlens, seed)
-    ctx.dropout_p, ctx.scale = dropout_p, scale
+    ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
 
 
 def _varlen_backward_rule(ctx, grad_out, grad_stats):
     q, k, v, out, stats, cu_seqlens, seed = ctx.saved_tensors
     if grad_out is None:
-        return None, None, None, None, None, None, None
-    dq, dk, dv = _varlen_bwd_op(grad_out, q, k, v, out, stats, cu_seqlens, seed, ctx.dropout_p, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+        return None, None, None, None, None, None, None, None
+    dq, dk, dv = _varlen_bwd_op(grad_out, q, k, v, out, stats, cu_seqlens, seed, ctx.dropout_p, ctx.is_causal,
+                                ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _varlen_fwd_op.register_autograd(_varlen_backward_rule, setup_context=_varlen_setup_context)
 
 
-def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> None:
+def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                         is_causal: bool) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(t, name, _VAR_OP)
         if t.dim() != 3:
@@ -879,15 +883,18 @@ def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
                          f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else type(cu_seqlens)}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{_VAR_OP}: argument 'max_seqlen' must be a non-negative int, got {max_seqlen!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"{_VAR_OP}: argument 'is_causal' must be a bool, got {type(is_causal).__name__}")
 
 
 def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                                dropout_p: float = 0.0, training: bool = True, scale: Optional[float] = None,
-                               *, seed: Optional[Tensor] = None) -> Tensor:
+                               is_causal: bool = False, *, seed: Optional[Tensor] = None) -> Tensor:
     """Attention over packed sequences: ``q``, ``k``, ``v`` are [T, heads, head_dim] holding B
     sequences back to back (sequence b is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``, the layout of
     ``tempo.unpad.TokenLayout``); each token attends the tokens of its own sequence only, with no
-    mask and no padding: Σ L_b² scores instead of B·L². Returns [T, heads, d_v].
+    mask and no padding: Σ L_b² scores instead of B·L². ``is_causal``: token i of a sequence
+    attends that sequence's tokens j <= i. Returns [T, heads, d_v].
 
     Keeps what ``efficient_attention`` keeps, per real token: q, k, v, the output, two fp32 row
     statistics per (token, head), a 0-d seed, plus the B + 1 offsets. Exactness as there (the
@@ -904,7 +911,7 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     ``efficient_attention``'s tiled forward and backward on each sequence (one host read of
     ``cu_seqlens`` per call).
     """
-    _check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
+    _check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, is_causal)
     p = check_probability(dropout_p, "dropout_p", _VAR_OP)
     if not training:
         p = 0.0
@@ -920,7 +927,7 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     if _is_cuda(q) and not seeded and (not grad or requested_backend() != "reference"):
         st = _cuda_state(str(q.device))
         proxy = [x.unsqueeze(0).transpose(1, 2) for x in (q, k, v)]  # [1, H, T, D]: what the kernels see
-        backends = [b for b in _fused_backends(*proxy, None, p, False, grad, st)
+        backends = [b for b in _fused_backends(*proxy, None, p, is_causal, grad, st)
                     if b.name != "CUDNN_ATTENTION"]  # nested tensors take flash and efficient only
         if not grad and st.math:
             from torch.nn.attention import SDPBackend
@@ -929,15 +936,16 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
             offsets = cu_seqlens.to(torch.int64)
             nested = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets, max_seqlen=max_seqlen)
                       .transpose(1, 2) for x in (q, k, v)]
-            out = _sdpa(*nested, None, p, False, scale, backends)
+            out = _sdpa(*nested, None, p, is_causal, scale, backends)
             return out.transpose(1, 2).values()
-        _log_fallback_once(_no_fused_reason(proxy[0], proxy[2], None, p, False, st) + " (variable length)")
+        _log_fallback_once(_no_fused_reason(proxy[0], proxy[2], None, p, is_causal, st) + " (variable length)")
     elif not grad and not seeded:
         with torch.autocast(q.device.type, enabled=False):
             out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
             for _, a, b in _bounds(cu_seqlens):
                 o = torch.nn.functional.scaled_dot_product_attention(
-                    _as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b), dropout_p=p, scale=scale)
+                    _as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b), dropout_p=p,
+                    is_causal=is_causal, scale=scale)
                 out[a:b] = o[0].transpose(0, 1)
             return out
 
@@ -945,7 +953,7 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
         seed = draw_seed(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64, device=q.device)
     else:
         seed = seed.to(device=q.device, dtype=torch.int64).reshape(())
-    out, _ = _varlen_fwd_op(q, k, v, cu_seqlens, seed, p, scale)
+    out, _ = _varlen_fwd_op(q, k, v, cu_seqlens, seed, p, is_causal, scale)
     return out
 
 

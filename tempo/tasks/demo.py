@@ -5,11 +5,14 @@
 
 1. writes the project's own generated corpus (no download) in DLE's text layout;
 2. trains a WordPiece vocabulary on it and builds DLE-format HDF5 shards;
-3. pretrains the same small BERT three times with run_pretraining.py: the original layers, the
-   paper's Tempo layers, and every Tempo layer (efficient attention, fused dropout-add-LayerNorm),
-   each in its own process so that peak memory is per run;
+3. pretrains the same small BERT four times with run_pretraining.py: the original layers on the
+   padded batch (DLE's way), the original layers on the real tokens only (``--unpad``), the
+   paper's Tempo layers (padded, as published), and every Tempo layer unpadded (the trainers'
+   default: efficient attention, fused dropout-add-LayerNorm), each in its own process so that
+   peak memory is per run;
 4. prints a side-by-side table: bytes autograd kept for backward (activation ledger), the largest
-   batch that fits a stated memory budget, peak memory, sequences per second, final loss.
+   batch that fits a stated memory budget, peak memory, sequences and real tokens per second,
+   final loss.
 Runs on the GPU when there is one (bf16), else on the CPU (fp32).
 """
 
@@ -27,9 +30,10 @@ from tempo.bert.config import CONFIGS_DIR
 from tempo.train.dllog import read_dllog
 
 VARIANTS = {
-    "original": ["--no-tempo", "--attention", "eager"],
-    "tempo (paper)": ["--tempo", "--tempo_layers", "gelu,layernorm,attention", "--attention", "tempo"],
-    "tempo (all)": ["--tempo"],  # every Tempo layer, efficient attention: the trainers' --tempo
+    "original": ["--no-tempo", "--attention", "eager", "--no-unpad"],
+    "original + unpad": ["--no-tempo", "--attention", "eager", "--unpad"],
+    "tempo (paper)": ["--tempo", "--tempo_layers", "gelu,layernorm,attention", "--attention", "tempo", "--no-unpad"],
+    "tempo (all) + unpad": ["--tempo", "--unpad"],  # the trainers' defaults with --tempo
 }
 
 
@@ -67,7 +71,7 @@ def write_demo_config(work: Path, vocab_file: Path, base_config: Path) -> Path:
 
 def run_variant(name: str, work: Path, shard_dir: Path, config: Path, vocab: Path, args: argparse.Namespace,
                 on_gpu: bool) -> dict[str, Any]:
-    out_dir = work / f"run_{name.replace(' ', '_').replace('(', '').replace(')', '')}"
+    out_dir = work / f"run_{name.replace(' + ', '_').replace(' ', '_').replace('(', '').replace(')', '')}"
     log = out_dir / "dllogger.json"
     if log.exists():
         log.unlink()  # a fresh log per demo run; checkpoints of earlier runs are ignored below
@@ -119,7 +123,7 @@ def format_results(results: dict[str, dict[str, Any]], layers: int, hidden: int,
     from tempo.train.runtime import format_rate
 
     rows = [("", "bytes kept for backward", "÷ (tokens × layers)", f"largest batch in {mib(budget)}",
-             "peak memory", "sequences/s", "final loss")]
+             "peak memory", "sequences/s", "real tokens/s", "final loss")]
     for name, s in results.items():
         kept = s.get("activation_bytes_per_micro_batch")
         per_token = f"{kept / (tokens * layers * hidden):.1f} h" if kept else "n/a"
@@ -127,7 +131,8 @@ def format_results(results: dict[str, dict[str, Any]], layers: int, hidden: int,
         peak = s.get("peak_allocated_bytes")
         peak_text = f"{mib(peak)} (GPU)" if peak is not None else f"{mib(s.get('peak_rss_bytes'))} (CPU RSS)"
         rows.append((name, mib(kept), per_token, fits, peak_text,
-                     format_rate(s["training_sequences_per_second"]).replace(" seq/s", ""), f"{s['final_loss']:.4f}"))
+                     format_rate(s["training_sequences_per_second"]).replace(" seq/s", ""),
+                     f"{s.get('training_real_tokens_per_second', float('nan')):.0f}", f"{s['final_loss']:.4f}"))
     o = results.get("original")
     for name, t in results.items():
         if o is None or name == "original":
@@ -136,7 +141,9 @@ def format_results(results: dict[str, dict[str, Any]], layers: int, hidden: int,
         more = (largest_batch(t["activation_bytes_per_micro_batch"], batch, state_bytes, budget)
                 / max(1, largest_batch(o["activation_bytes_per_micro_batch"], batch, state_bytes, budget)))
         speed = t["training_sequences_per_second"] / o["training_sequences_per_second"] - 1
-        rows.append((f"{name} vs original", f"{-saved:+.0%}", "", f"{more:.1f}x", "", f"{speed:+.0%}", ""))
+        tokens_speed = t["training_real_tokens_per_second"] / o["training_real_tokens_per_second"]
+        rows.append((f"{name} vs original", f"{-saved:+.0%}", "", f"{more:.1f}x", "", f"{speed:+.0%}",
+                     f"{tokens_speed:.2f}x", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -182,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} steps of {args.batch_size} x {args.seq_len} tokens, original layers vs Tempo:\n")
     print(table)
     print("\n'bytes kept for backward' is the activation ledger over one batch (whole model, embeddings and heads\n"
-          "included). 'largest batch' is what fits the budget: fp32 weights, gradients and two optimizer moments\n"
-          "plus that many sequences' activations (the ledger's bytes scale with the batch) - what Tempo buys.\n"
+          "included; unpadded runs keep bytes for their real tokens only, so '÷ tokens' divides by every position\n"
+          "of the padded batch). 'largest batch' is what fits the budget: fp32 weights, gradients and two optimizer\n"
+          "moments plus that many sequences' activations (the ledger's bytes scale with the batch) - what Tempo and\n"
+          "unpadding buy. Real tokens/s counts the non-padding tokens trained on; the shards are about half padding.\n"
           "On the CPU, Tempo runs its PyTorch reference path, which recomputes what it does not keep and so costs\n"
           "time there; the Triton kernels and PyTorch's fused attention on a GPU are what speed is about.\n"
           "Per-layer figures for BERT-large: python -m tempo.memory")

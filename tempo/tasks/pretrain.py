@@ -244,7 +244,8 @@ def pretraining_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
 
 def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
     """Model, optimizer, schedule and data, restored from a checkpoint when asked."""
-    model = BertForPreTraining(config, choice, checkpoint_activations=args.checkpoint_activations).to(rt.device)
+    model = BertForPreTraining(config, choice, checkpoint_activations=args.checkpoint_activations,
+                               unpad=args.unpad).to(rt.device)
     optimizer = make_optimizer(args.optimizer, bert_param_groups(model, args.weight_decay), lr=args.learning_rate)
 
     def new_schedule() -> Any:
@@ -310,6 +311,8 @@ def _train(args: argparse.Namespace, config: BertConfig, precision: str, rt: Run
     summary = {
         "e2e_train_time": clock.elapsed,
         "training_sequences_per_second": clock.samples_per_second,
+        "training_real_tokens_per_second": clock.tokens_per_second,
+        "unpad": bool(args.unpad),
         "final_loss": losses[-1] if losses else float("nan"),
         "steps": clock.steps,
         "global_step": step,
@@ -327,7 +330,9 @@ def _train(args: argparse.Namespace, config: BertConfig, precision: str, rt: Run
         logger.close()
         speed = summary["training_sequences_per_second"]
         print(f"{PROG}: done: {clock.steps} steps in {summary['e2e_train_time']:.1f} s, "
-              f"{format_rate(speed)} (first {excluded} steps excluded), final loss {summary['final_loss']:.4f}")
+              f"{format_rate(speed)}, {summary['training_real_tokens_per_second']:.0f} real tokens/s "
+              f"({'unpadded' if args.unpad else 'padded'}; first {excluded} steps excluded), "
+              f"final loss {summary['final_loss']:.4f}")
     if math.isnan(summary["final_loss"]):
         warnings.warn("final loss is NaN", stacklevel=1)
     return summary
@@ -346,7 +351,7 @@ def _loop(args, rt, train_step, batches, step, steps_left, excluded, logger, che
     while clock.steps < steps_left:
         clock.begin_step()
         out = train_step([next(data_iter) for _ in range(args.gradient_accumulation_steps)])
-        clock.end_step(out.samples * rt.world_size)
+        clock.end_step(out.samples * rt.world_size, out.tokens * rt.world_size)
         step += 1
         if clock.steps % log_every == 0 or clock.steps == steps_left:
             loss_value = mean_over_ranks(out.loss, rt)  # a sync: only on log steps

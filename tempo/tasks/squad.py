@@ -277,8 +277,10 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
     model.train()
     for step in range(1, total_steps + 1):
         clock.begin_step()
-        out = train_step([next(micro_batches) for _ in range(args.gradient_accumulation_steps)])
-        clock.end_step(out.samples * rt.world_size)
+        micro = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
+        tokens = sum(int(batch[2].count_nonzero()) for batch in micro)  # input_mask, on the host
+        out = train_step(micro)
+        clock.end_step(out.samples * rt.world_size, tokens * rt.world_size)
         sequences += out.samples * rt.world_size
         loss_sum += out.loss
         if step % args.log_freq == 0 or step == total_steps:
@@ -294,6 +296,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
     return {
         "e2e_train_time": clock.elapsed,
         "training_sequences_per_second": clock.samples_per_second,
+        "training_real_tokens_per_second": clock.tokens_per_second,
         "final_loss": last_loss,
         "train_loss": mean_over_ranks(loss_sum, rt) / total_steps,
         "train_steps": total_steps,
@@ -432,7 +435,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             predict_features, _ = load_or_build_features(predict_data, tokenizer, for_training=False, **feature_args)
 
         seed_everything(args.seed)  # same initial head on every rank
-        model = BertForQuestionAnswering(config, options, checkpoint_activations=args.checkpoint_activations)
+        model = BertForQuestionAnswering(config, options, checkpoint_activations=args.checkpoint_activations,
+                                         unpad=args.unpad)
         if args.init_checkpoint:
             report = load_pretrained(model, args.init_checkpoint)
             if rt.is_main:
@@ -451,7 +455,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{PROG}: {config.num_hidden_layers} layers, h={config.hidden_size}, {precision}, {options}, "
                   f"device {rt.device}, world size {rt.world_size}")
 
-        summary: dict[str, Any] = {"precision": precision, "tempo_options": str(options)}
+        summary: dict[str, Any] = {"precision": precision, "tempo_options": str(options), "unpad": bool(args.unpad)}
         if train_features is not None:
             train_summary = train(args, model, train_features, rt, precision, logger)
             summary.update(train_summary)
@@ -468,7 +472,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 logger.summary({**train_summary, **peak_memory_bytes(rt.device)})
                 print(f"{PROG}: trained {train_summary['train_steps']} steps in {train_summary['e2e_train_time']:.1f} s, "
                       f"{format_rate(train_summary['training_sequences_per_second'])}, "
-                      f"final loss {train_summary['final_loss']:.4f}")
+                      f"{train_summary['training_real_tokens_per_second']:.0f} real tokens/s "
+                      f"({'unpadded' if args.unpad else 'padded'}), final loss {train_summary['final_loss']:.4f}")
 
         if predict_features is not None:
             start_logits, end_logits, timing = predict_logits(args, model, predict_features, rt, precision)

@@ -53,11 +53,14 @@ def write_patch_state(state: str) -> Path:
     return atomic_write_text(patch_state_file(), state + "\n")
 
 
-def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | None = None) -> None:
-    """--tempo/--no-tempo, --tempo_layers, --attention: the same flags for the trainers and the bench.
+def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | None = None,
+                    unpad_default: bool = True) -> None:
+    """--tempo/--no-tempo, --tempo_layers, --attention, --unpad/--no-unpad: the same flags for the
+    trainers and the bench.
 
     ``default_enabled`` None means: as the patch scripts set it (the trainers); the benchmark
-    passes False so that a measurement never depends on a state file.
+    passes False so that a measurement never depends on a state file. ``unpad_default``: the
+    trainers unpad by default (as MLPerf's BERT); the benchmark measures padded batches unless told.
     """
     group = parser.add_argument_group("Tempo")
     group.add_argument("--tempo", action=argparse.BooleanOptionalAction, default=default_enabled,
@@ -70,6 +73,11 @@ def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | Non
     group.add_argument("--attention", choices=ATTENTIONS, default=None,
                        help="attention implementation (default: efficient with --tempo, tempo with "
                             "--tempo_layers ...,attention, else eager)")
+    group.add_argument("--unpad", action=argparse.BooleanOptionalAction, default=unpad_default,
+                       help="compute on the real tokens only: a padded batch becomes its T real tokens "
+                            "before the embeddings and every layer runs on [T, hidden] (tempo.unpad; "
+                            "same loss and gradients as the padded batch, to rounding)"
+                            + (" (default: on)" if unpad_default else " (default: off)"))
 
 
 # -- numeric flags: argparse ``type=`` functions, so NaN, inf and out-of-range values are refused

@@ -73,6 +73,21 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss if loss.dim() == 0 else loss.float().mean()
 
 
+_MASK_KEYS = ("input_mask", "attention_mask")  # DLE's and transformers' names for the 0/1 padding mask
+
+
+def _real_tokens(batch: Any) -> int:
+    """Real (non-padding) tokens of a batch, counted on the host before it moves to the device
+    (no sync); every token of its first tensor when it carries no padding mask."""
+    if isinstance(batch, dict):
+        for key in _MASK_KEYS:
+            if isinstance(batch.get(key), torch.Tensor):
+                return int(batch[key].count_nonzero())
+    first = batch if isinstance(batch, torch.Tensor) else (
+        next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
+    return first.numel() if isinstance(first, torch.Tensor) else 0
+
+
 def _batch_size(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
@@ -88,6 +103,7 @@ class StepResult:
     lr: float                     # the learning rate this step used
     samples: int                  # sequences this process trained on in this step
     nonfinite: bool = False       # the guard found a NaN/inf loss or gradient norm (and skipped the step)
+    tokens: int = 0               # real (non-padding) tokens among them
 
 
 class TrainStep:
@@ -218,8 +234,9 @@ class TrainStep:
         if not micro_batches:
             raise ValueError("a training step needs at least one micro-batch")
         sums = {name: torch.zeros((), device=self.device) for name in ("loss",) + self.track}
-        samples = 0
+        samples = tokens = 0
         for i, batch in enumerate(micro_batches):
+            tokens += _real_tokens(batch)  # before the move: a host count, no device sync
             batch = to_device(batch, self.device)
             samples += _batch_size(batch)
             self._forward_backward(batch, len(micro_batches), i == len(micro_batches) - 1, sums)
@@ -246,7 +263,8 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         loss = sums.pop("loss")
-        return StepResult(loss=loss, extras=sums, stepped=stepped, lr=lr, samples=samples, nonfinite=nonfinite)
+        return StepResult(loss=loss, extras=sums, stepped=stepped, lr=lr, samples=samples, nonfinite=nonfinite,
+                          tokens=tokens)
 
 
 @dataclass
@@ -264,6 +282,7 @@ class StepClock:
     start: float = field(default_factory=time.perf_counter)
     timed_start: Optional[float] = None
     timed_samples: int = 0
+    timed_tokens: int = 0
     steps: int = 0
     end: Optional[float] = None
     _t0: float = 0.0
@@ -278,13 +297,14 @@ class StepClock:
             synchronize(self.device)
         self._t0 = time.perf_counter()
 
-    def end_step(self, samples: int) -> None:
+    def end_step(self, samples: int, tokens: int = 0) -> None:
         if self.per_step:
             synchronize(self.device)
         self.step_times.append(time.perf_counter() - self._t0)
         self.steps += 1
         if self.timed_start is not None:
             self.timed_samples += samples
+            self.timed_tokens += tokens
         if self.steps == self.excluded:
             synchronize(self.device)
             self.timed_start = time.perf_counter()
@@ -308,6 +328,14 @@ class StepClock:
             return float("nan")
         end = self.end if self.end is not None else time.perf_counter()
         return self.timed_samples / (end - self.timed_start) if end > self.timed_start else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Real (non-padding) tokens/s over the timed steps; NaN as ``samples_per_second``."""
+        if self.timed_start is None or self.timed_tokens == 0:
+            return float("nan")
+        end = self.end if self.end is not None else time.perf_counter()
+        return self.timed_tokens / (end - self.timed_start) if end > self.timed_start else float("nan")
 
 
 def default_excluded_steps(steps: int) -> int:
