@@ -28,6 +28,17 @@ module's parameters, which is what eager's mask function gets (the embeddings' o
 instance-level subclass (same name, same fields; pickled and copied as itself) whose setter and
 validation accept Tempo's implementations, and revert_tempo gives the original class back.
 
+Padding-free batches (sequences packed back to back, as ``DataCollatorWithFlattening`` makes
+them): transformers passes ``position_ids`` (restarting at each sequence's first token) and, with
+``return_flash_attn_kwargs=True``, ``cu_seq_lens_q/k`` down to the attention function, but its
+eager and sdpa attention of encoder models read neither: every token attends across the sequence
+boundaries, silently. Tempo's attentions read them (``packed_sequences``): ``cu_seq_lens_q`` when
+given, else boundaries wherever a position is not the previous one + 1 (any start, so RoBERTa's
+``padding_idx + 1`` works). Then "tempo_efficient" runs ``efficient_attention_varlen`` (O(T) kept,
+Σ L² work, causal per sequence for decoders) when no other mask applies, and both attentions
+otherwise AND the block-diagonal packing into the mask they got (GPT-2's packed causal mask from
+transformers already is; for it that changes nothing).
+
 Versions: ``AttentionInterface`` appeared in transformers 4.50 and ``AttentionMaskInterface`` in
 4.53; before 4.53 each model builds its own eager-style additive mask, so registering the
 attention function is enough there. BERT-family models dispatch through the interface from about
@@ -42,6 +53,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -315,6 +327,80 @@ def eager_attention_mask(module: nn.Module, query: Tensor, key: Tensor, attentio
     return torch.where(keep, torch.zeros((), dtype=dtype, device=keep.device), torch.finfo(dtype).min)
 
 
+_packed_cache: list = []  # [(weakref to the position tensor, its _version, the answer)]: the batch being run
+
+
+def _cu_from_positions(position_ids: Tensor, batch: int) -> Optional[tuple[Tensor, int]]:
+    """(cu_seqlens int32, max length) over the flattened [B·L] tokens: a sequence starts at each
+    row start and wherever a position is not the previous one + 1. None when every row is one
+    sequence (nothing is packed). One host read per position tensor: every layer of a forward gets
+    the same tensor object, so the answer is cached for that object (and its version) only."""
+    if _packed_cache:
+        ref, version, answer = _packed_cache[0]
+        if ref() is position_ids and version == position_ids._version:
+            return answer
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).long()
+    if pos.shape[0] != batch:  # one row of positions shared by the batch
+        pos = pos.expand(batch, pos.shape[1])
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    flat = starts.reshape(-1)
+    answer = None
+    if int(flat.count_nonzero()) != pos.shape[0]:
+        begin = flat.nonzero().reshape(-1)
+        cu = torch.cat([begin, begin.new_tensor([flat.numel()])]).to(torch.int32)
+        answer = (cu, int((cu[1:] - cu[:-1]).max()))
+    _packed_cache[:] = [(weakref.ref(position_ids), position_ids._version, answer)]
+    return answer
+
+
+def packed_sequences(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Optional[tuple[Tensor, int]]:
+    """(cu_seqlens, max_seqlen) when the call's tokens are several sequences packed back to back
+    (see the module docstring), else None. Only for self-attention over the whole packed row
+    (q_len == k_len; a cached decode step is never packed)."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if q_len != k_len or q_len <= 1:
+        return None
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and not torch.equal(cu_k.to(cu.device), cu):
+            raise ValueError("tempo attention: cu_seq_lens_q and cu_seq_lens_k differ; packed cross-attention "
+                             "is not supported")
+        if query.shape[0] != 1 or int(cu[-1]) != q_len:
+            raise ValueError(f"tempo attention: cu_seq_lens_q ends at {int(cu[-1])} but the packed row has "
+                             f"{q_len} tokens in a batch of {query.shape[0]} (DataCollatorWithFlattening packs one row)")
+        cu = cu.to(device=query.device, dtype=torch.int32)
+        max_len = kwargs.get("max_length_q")
+        return cu, int(max_len) if max_len is not None else int((cu[1:] - cu[:-1]).max())
+    position_ids = kwargs.get("position_ids")
+    if not isinstance(position_ids, Tensor) or position_ids.shape[-1] != q_len:
+        return None
+    if position_ids.numel() not in (q_len, query.shape[0] * q_len):
+        return None
+    found = _cu_from_positions(position_ids, query.shape[0])
+    if found is None:
+        return None
+    return found[0].to(query.device), found[1]
+
+
+def _packing_mask(cu: Tensor, tokens: int, batch: int, device: torch.device) -> Tensor:
+    """Bool [B, 1, L, L]: True where query and key are in the same packed sequence."""
+    seq = torch.zeros(batch * tokens, dtype=torch.int64, device=device)
+    seq[cu[1:-1].long()] = 1
+    seq = seq.cumsum(0).reshape(batch, tokens)
+    return (seq[:, :, None] == seq[:, None, :]).unsqueeze(1)
+
+
+def _with_packing(mask: Optional[Tensor], same: Tensor, dtype: torch.dtype) -> Tensor:
+    """``mask`` (None, bool True = attend, or additive) with every cross-sequence pair masked."""
+    if mask is None:
+        return same
+    if mask.dtype == torch.bool:
+        return mask & same
+    return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
+
+
 def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Optional[Tensor], scaling: Optional[float], dropout: float,
                        head_mask: Optional[Tensor], kwargs: dict[str, Any]) -> tuple[Tensor, Optional[Tensor]]:
@@ -339,14 +425,33 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, : key.shape[-2]]
+    packed = packed_sequences(query, key, kwargs)
+    if packed is not None:
+        cu, max_len = packed
+        b, h, l, _ = query.shape
+        if mask is None and core is _efficient_core:
+            from tempo.ops.attention import efficient_attention_varlen
+
+            q, k, v = (x.transpose(1, 2).reshape(b * l, h, x.shape[-1]) for x in (query, key, value))
+            out = efficient_attention_varlen(q, k, v, cu, max_len, dropout_p=float(dropout),
+                                             training=module.training, scale=scaling, is_causal=bool(is_causal))
+            out = out.reshape(b, l, h, value.shape[-1]).transpose(1, 2)
+            if head_mask is not None:
+                out = out * _per_head(head_mask)
+            return out.transpose(1, 2), None
+        mask = _with_packing(mask, _packing_mask(cu, l, b, query.device), query.dtype)
     out = core(query, key, value, mask, scaling, float(dropout), bool(is_causal), module.training)
     if head_mask is not None:
-        # Eager multiplies the probabilities by a per-(batch, head) factor; on the output it is the same.
-        if head_mask.dim() < 2 or head_mask.shape[-1] != 1 or head_mask.shape[-2] != 1:
-            raise ValueError(f"tempo attention: head_mask of shape {tuple(head_mask.shape)} is not "
-                             "per head; only [.., heads, 1, 1] masks are supported")
-        out = out * head_mask
+        out = out * _per_head(head_mask)
     return out.transpose(1, 2), None
+
+
+def _per_head(head_mask: Tensor) -> Tensor:
+    """Eager multiplies the probabilities by a per-(batch, head) factor; on the output it is the same."""
+    if head_mask.dim() < 2 or head_mask.shape[-1] != 1 or head_mask.shape[-2] != 1:
+        raise ValueError(f"tempo attention: head_mask of shape {tuple(head_mask.shape)} is not "
+                         "per head; only [.., heads, 1, 1] masks are supported")
+    return head_mask
 
 
 def _combined_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scaling: float,
@@ -419,4 +524,5 @@ __all__ = [
     "model_dispatches_attention",
     "tempo_attention_forward",
     "attention_weights_requested",
+    "packed_sequences",
 ]

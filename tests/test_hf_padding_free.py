@@ -1,0 +1,155 @@
+"""Padding-free batches in transformers' models after apply_tempo (issue 19).
+
+A batch from ``DataCollatorWithFlattening`` is one row of sequences packed back to back with
+``position_ids`` restarting per sequence (and ``cu_seq_lens_q/k`` when asked for). transformers'
+own eager and sdpa attention of encoders read neither and attend across the boundaries; Tempo's
+attentions must give what each sequence gives alone: outputs and every parameter's gradient,
+fp32, dropout off.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the hf extra; CI installs it
+
+from tempo.integrations.patch import apply_tempo  # noqa: E402
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+LENGTHS = [5, 1, 9, 3]
+CHOICES = {"default": {}, "paper": dict(attention="tempo", dropout_add_layernorm=False)}
+
+
+def bert():
+    return transformers.BertModel(transformers.BertConfig(**TINY, attn_implementation="eager"))
+
+
+def roberta():
+    return transformers.RobertaModel(transformers.RobertaConfig(**TINY, attn_implementation="eager"))
+
+
+def electra():
+    return transformers.ElectraModel(transformers.ElectraConfig(**{**TINY, "embedding_size": 32},
+                                                                 attn_implementation="eager"))
+
+
+def gpt2():
+    return transformers.GPT2Model(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
+
+
+MODELS = {"bert": bert, "roberta": roberta, "electra": electra, "gpt2": gpt2}
+
+
+def sequences(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 100, (n,), generator=g) for n in LENGTHS]
+
+
+def position_start(model):
+    # RoBERTa's positions start at padding_idx + 1 (DataCollatorWithFlattening's position_ids_start).
+    return model.config.pad_token_id + 1 if model.config.model_type == "roberta" else 0
+
+
+def packed_batch(model, seqs, flash_kwargs):
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs,
+                                                      position_ids_start=position_start(model))
+    batch = collator([{"input_ids": s.tolist()} for s in seqs])
+    batch.pop("labels", None)
+    return batch
+
+
+def run(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch).last_hidden_state
+    weights = torch.linspace(-1, 1, out.shape[-1])
+    (out * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("choice", list(CHOICES))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_batch_equals_each_sequence_alone(name, choice, flash_kwargs):
+    torch.manual_seed(0)
+    model = apply_tempo(MODELS[name](), **CHOICES[choice]).train()
+    seqs = sequences()
+    packed_out, packed_grads = run(model, packed_batch(model, seqs, flash_kwargs))
+    # Each sequence alone (no padding, no packing): outputs concatenated, gradients summed.
+    outs, grads = [], {}
+    for s in seqs:
+        start = position_start(model)
+        o, g = run(model, {"input_ids": s[None], "position_ids": torch.arange(start, start + len(s))[None]})
+        outs.append(o[0])
+        for key, value in g.items():
+            grads[key] = grads.get(key, 0) + value
+    assert rel(packed_out[0], torch.cat(outs)) < 1e-5
+    assert packed_grads.keys() == grads.keys()
+    # Key biases' gradients are 0 in exact arithmetic (softmax ignores a per-row shift): rounding
+    # noise of ~1e-10 there, judged against the whole gradient's scale instead of their own.
+    scale = torch.cat([g.flatten() for g in grads.values()]).norm()
+    for key in grads:
+        err = (packed_grads[key] - grads[key]).norm()
+        assert err <= 1e-5 * grads[key].norm() + 1e-8 * scale, key
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_stock_attention_crosses_the_boundaries_which_is_why_this_exists(name):
+    """The gap, shown: without Tempo, an encoder's eager attention mixes packed sequences."""
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    seqs = sequences()
+    packed_out, _ = run(model, packed_batch(model, seqs, False))
+    first, _ = run(model, {"input_ids": seqs[0][None]})
+    differs = rel(packed_out[0, :LENGTHS[0]], first[0]) > 1e-3
+    # BERT: yes (it is what Tempo fixes); GPT-2: causal, so the first sequence sees nothing later
+    # (transformers also builds a packed causal mask from position_ids for decoders).
+    assert differs == (name == "bert")
+
+
+def test_efficient_attention_runs_the_variable_length_op(monkeypatch):
+    from tempo.ops import attention as attn_mod
+
+    calls = []
+    real = attn_mod.efficient_attention_varlen
+    monkeypatch.setattr(attn_mod, "efficient_attention_varlen", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    model = apply_tempo(bert()).train()
+    run(model, packed_batch(model, sequences(), False))
+    assert len(calls) == 2  # one per layer
+    assert calls[0].tolist() == [0, 5, 6, 15, 18]
+
+
+def test_plain_padded_batches_are_not_taken_for_packed():
+    from tempo.integrations.hf_attention import packed_sequences
+
+    q = torch.zeros(2, 2, 6, 8)
+    assert packed_sequences(q, q, {}) is None
+    assert packed_sequences(q, q, {"position_ids": torch.arange(6)[None]}) is None
+    assert packed_sequences(q, q, {"position_ids": torch.arange(6).expand(2, 6)}) is None
+    cu, max_len = packed_sequences(q, q, {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)})
+    assert cu.tolist() == [0, 3, 6, 9, 12] and max_len == 3
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        packed_sequences(q, q, {"cu_seq_lens_q": torch.tensor([0, 3, 6])})  # two rows: not one packed row
+
+
+def test_hf_trainer_padding_free_example_trains(tmp_path, capsys):
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    sys.path.insert(0, examples)
+    try:
+        import hf_trainer_padding_free as example
+    finally:
+        sys.path.remove(examples)
+    argv = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_documents", "10", "--hidden_size", "32",
+            "--output_dir", str(tmp_path)]
+    assert example.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "padded        train_samples_per_second=" in out and "padding-free  train_samples_per_second=" in out
