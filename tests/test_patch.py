@@ -1,6 +1,7 @@
 """apply_tempo / revert_tempo on HF models and plain module trees: equivalence, memory, revert."""
 
 import logging
+import re
 import os
 
 import pytest
@@ -845,3 +846,18 @@ def test_attention_function_compiles_with_fullgraph():
     compiled = torch.compile(lambda q, k, v, m: hf_attention.tempo_attention_forward(module, q, k, v, m, scaling=0.3)[0],
                              backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, mask), eager(q, k, v, mask, 0.3), atol=1e-6, rtol=0)
+
+
+def test_apply_tempo_names_its_layernorms_so_errors_name_the_module():
+    torch.manual_seed(0)
+    model = apply_tempo(bert_mlm(**NO_DROPOUT))
+    from tempo.ops.layernorm import LayerNormParameters
+
+    names = {n: m.tempo_name for n, m in model.named_modules() if isinstance(m, LayerNormParameters)}
+    assert names and all(n == tempo_name for n, tempo_name in names.items())
+    target = "bert.encoder.layer.1.output.LayerNorm"
+    with torch.no_grad():
+        model.get_submodule(target).weight[3] = float("nan")
+    ids = torch.randint(0, 100, (2, 8))
+    with pytest.raises(ValueError, match=re.escape(target)):
+        model(input_ids=ids).logits.sum().backward()

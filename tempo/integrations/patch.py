@@ -439,6 +439,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         logger.info("apply_tempo: failed, %s left as it was", type(model).__name__)
         raise
 
+    _prepare_swapped(model, swaps)
     counts = Counter(swap.kind for swap in swaps if swap.kind is not None)
     for swap in swaps:
         if swap.kind is None:
@@ -458,6 +459,25 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     if not counts and not state.get("attention"):
         logger.info("apply_tempo: nothing to replace in %s", type(model).__name__)
     return model
+
+
+def _prepare_swapped(model: nn.Module, swaps: list) -> None:
+    """After the swaps: every Tempo LayerNorm gets its qualified name (its errors quote it), and
+    each InplaceGelu's derivative table is built on the device the model's parameters are on (it
+    was built on the CPU with the module; a model already on a GPU would otherwise build it at its
+    first forward there)."""
+    from tempo.ops.layernorm import name_layernorms
+
+    name_layernorms(model)
+    gelus = [swap.new for swap in swaps if swap.kind is not None and "GELU" in swap.kind]
+    if not gelus:
+        return
+    from tempo.ops.gelu import prepare_derivative_table
+
+    devices = {p.device for p in model.parameters() if p.device.type not in ("cpu", "meta")}
+    for device in devices:
+        for form in {g.approximate for g in gelus}:
+            prepare_derivative_table(device, form)
 
 
 def revert_tempo(model: nn.Module) -> nn.Module:
