@@ -166,6 +166,7 @@ HF_CHOICES = {
     "combined": dict(gelu=False, layernorm=False, attention="tempo", dropout_add_layernorm=False),
     "efficient": dict(gelu=False, layernorm=False, attention="efficient", dropout_add_layernorm=False),
     "dropout_add_layernorm": dict(gelu=False, layernorm=False, attention=False, dropout_add_layernorm=True),
+    "paper": dict(attention="tempo", dropout_add_layernorm=False),  # the paper's three layers
     "floor": dict(gelu=True, layernorm=True, attention="efficient", dropout_add_layernorm=True),
 }
 
@@ -263,3 +264,19 @@ def test_adversarial_layernorms_half_precision(path, dtype):
         _, grads = loss_and_gradients(tiny_model(CHOICES["all"]), batch, dtype)
     stock_error, tempo_error = total_relative_l2(stock, exact), total_relative_l2(grads, exact)
     assert tempo_error <= BF16_FACTOR * stock_error, (tempo_error, stock_error)
+
+
+if __name__ == "__main__":  # the README table: MiniLM QA, our BERT, dropout off, CPU
+    config = without_dropout(BertConfig.from_json_file(minilm_dir() / "config.json"))
+    batch = qa_batch(config.vocab_size)
+    _, stock = loss_and_gradients(our_minilm_qa(config, TempoChoice.none()), batch)
+    _, exact = loss_and_gradients(our_minilm_qa(config, TempoChoice.none()).double(), batch)
+    _, stock_bf16 = loss_and_gradients(our_minilm_qa(config, TempoChoice.none()), batch, torch.bfloat16)
+    print("| layers | fp32: total gradient vs stock fp32 | fp32: vs fp64 | bf16 autocast: vs fp64 |")
+    print("|---|---|---|---|")
+    print(f"| stock | 0 | {total_relative_l2(stock, exact):.1e} | {total_relative_l2(stock_bf16, exact):.1e} |")
+    for name, choice in CHOICES.items():
+        _, grads = loss_and_gradients(our_minilm_qa(config, choice), batch)
+        _, grads_bf16 = loss_and_gradients(our_minilm_qa(config, choice), batch, torch.bfloat16)
+        print(f"| {name} | {total_relative_l2(grads, stock):.1e} | {total_relative_l2(grads, exact):.1e} | "
+              f"{total_relative_l2(grads_bf16, exact):.1e} |")

@@ -319,6 +319,61 @@ def _tempo_attention_backward(call: OpCall, target: Target) -> list[Kernel]:
                                b * h * _cdiv(sq, 32) * 32)
 
 
+def _varlen_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, backward: bool) -> int:
+    """sdpa's flop formulas summed over the packed sequences (cu_seqlens holds real offsets)."""
+    h, d, d_v = q.shape[1], q.shape[2], v.shape[2]
+    offsets = [int(o) for o in cu_seqlens.tolist()]
+    total = 0
+    for n in (b - a for a, b in zip(offsets[:-1], offsets[1:])):
+        qs, ks, vs = (1, h, n, d), (1, h, n, d), (1, h, n, d_v)
+        total += sdpa_backward_flop_count((1, h, n, d_v), qs, ks, vs) if backward else sdpa_flop_count(qs, ks, vs)
+    return total
+
+
+def _register_varlen_flop_formulas() -> None:
+    """flop_counter formulas for Tempo's variable-length attention ops (the Recorder reads them)."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    import tempo.ops.attention  # noqa: F401  (defines the ops)
+
+    fwd, bwd = torch.ops.tempo.efficient_attention_varlen_fwd, torch.ops.tempo.efficient_attention_varlen_bwd
+    if fwd in flop_registry:
+        return
+
+    @register_flop_formula(fwd, get_raw=True)
+    def _fwd_flops(q, k, v, cu_seqlens, *args, out_val=None, **kwargs) -> int:
+        return _varlen_flops(q, k, v, cu_seqlens, backward=False)
+
+    @register_flop_formula(bwd, get_raw=True)
+    def _bwd_flops(grad_out, q, k, v, out, stats, cu_seqlens, *args, out_val=None, **kwargs) -> int:
+        return _varlen_flops(q, k, v, cu_seqlens, backward=True)
+
+
+def _varlen_kernel_prefix(q: TensorMeta) -> str:
+    # Nested jagged sdpa: flash for 16-bit inputs, the efficient kernel otherwise (fp32).
+    return "flash_varlen" if q.dtype in (torch.float16, torch.bfloat16) else "efficient_varlen"
+
+
+@declares("tempo.efficient_attention_varlen_fwd")
+def _tempo_varlen_forward(call: OpCall, target: Target) -> list[Kernel]:
+    """On CUDA ``efficient_attention_varlen`` runs sdpa on nested jagged tensors: the fused
+    variable-length kernel on the [T, h, d] values with the offsets (as ``_flash_attention_forward``)."""
+    q, k, v, cu = call.arg("q"), call.arg("k"), call.arg("v"), call.arg("cu_seqlens")
+    t, h, _ = q.shape
+    out = call.tensor_outputs()[0]
+    kernel = _attention_forward(q, k, v, out.nbytes, t * h, None, call.arg("dropout_p") > 0,
+                                _varlen_kernel_prefix(q) + "_fwd", flops=call.flops)
+    return [Kernel(kernel.name, kernel.cls, kernel.read + 2 * cu.nbytes, kernel.written, kernel.flops, q.dtype)]
+
+
+@declares("tempo.efficient_attention_varlen_bwd")
+def _tempo_varlen_backward(call: OpCall, target: Target) -> list[Kernel]:
+    q, k, v, out = call.arg("q"), call.arg("k"), call.arg("v"), call.arg("out")
+    t, h, _ = q.shape
+    return _attention_backward(q, k, v, out.nbytes, t * h, None, call.arg("dropout_p") > 0,
+                               _varlen_kernel_prefix(q), flops=call.flops)
+
+
 @declares("tempo.inplace_gelu")
 def _gelu_forward(call: OpCall, target: Target) -> list[Kernel]:
     """_gelu_fwd_kernel: reads x, writes y and the branch bits (one bit per element, whole bytes)."""
@@ -369,15 +424,25 @@ def _rows_n(x: TensorMeta, trailing: int) -> tuple[int, int]:
 
 @declares("tempo.layernorm_fwd")
 def _layernorm_forward(call: OpCall, target: Target) -> list[Kernel]:
-    """plan_kept_columns, then _layernorm_fwd_kernel: reads x, γ, β (and the column slots when K > 0),
-    writes y, rstd (fp32 per row) and x̂ of the K kept columns."""
+    """plan_kept_columns, then _layernorm_fwd_kernel: reads x, γ, β, writes y, rstd (fp32 per row)
+    and, when K > 0 columns are kept, the row mean; the host then gathers the kept columns' x̂ =
+    (x[:, cols] − mean)·rstd in fp32 (a few small torch kernels over rows × K)."""
     x, weight, bias = call.arg("x"), call.arg("weight"), call.arg("bias")
     y, _rstd, _cols, kept_xhat = call.outputs
     rows, n = _rows_n(x, call.arg("normalized_ndim"))
     k = _kept(kept_xhat)
-    read = x.numel * x.itemsize + _opt_bytes(weight) + _opt_bytes(bias) + (4 * n if k else 0)
-    written = y.numel * y.itemsize + 4 * rows + 4 * rows * k
-    return _column_plan(n, weight, bias) + [Kernel("_layernorm_fwd_kernel", NORMALIZATION, read, written, triton=True)]
+    read = x.numel * x.itemsize + _opt_bytes(weight) + _opt_bytes(bias)
+    written = y.numel * y.itemsize + 4 * rows + (4 * rows if k else 0)
+    kernels = _column_plan(n, weight, bias) + [Kernel("_layernorm_fwd_kernel", NORMALIZATION, read, written,
+                                                      triton=True)]
+    if k:
+        block = rows * k
+        kernels.append(Kernel("x[:, kept_cols]", ELEMENTWISE, block * x.itemsize + 8 * k, block * x.itemsize))
+        if x.itemsize != 4:
+            kernels.append(Kernel("kept.float()", ELEMENTWISE, block * x.itemsize, 4 * block))
+        kernels += [Kernel("kept - mean", ELEMENTWISE, 4 * block + 4 * rows, 4 * block),
+                    Kernel("kept * rstd", ELEMENTWISE, 4 * block + 4 * rows, 4 * block)]
+    return kernels
 
 
 def _recovery_inverse(n: int, weight: Optional[TensorMeta]) -> list[Kernel]:
@@ -560,3 +625,5 @@ def _combined_backward(call: OpCall, target: Target) -> list[Kernel]:
 __all__ = ["CLASSES", "CONTRACTION", "DECLARATIONS", "ELEMENTWISE", "INTERPRETER", "Kernel", "NORMALIZATION",
            "Target", "UndeclaredOp", "classify", "dal_backward_programs", "declares", "gelu_table_bytes",
            "io_kernel", "kernels_of"]
+
+_register_varlen_flop_formulas()
