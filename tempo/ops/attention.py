@@ -629,15 +629,20 @@ def _no_fused_reason(q: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_
 # ----------------------------------------------------------------------------------------------
 # Public functional and module.
 # ----------------------------------------------------------------------------------------------
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, op: str, layout: str) -> None:
+    """Float tensors of len(layout's dims) dims and one dtype (both attention ops)."""
+    dims = layout.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float_tensor(t, name, _OP)
-        if t.dim() != 4:
-            raise ValueError(f"{_OP}: argument '{name}' must be 4-D (batch, heads, seq, head_dim), "
-                             f"got shape {tuple(t.shape)}")
+        check_float_tensor(t, name, op)
+        if t.dim() != dims:
+            raise ValueError(f"{op}: argument '{name}' must be {dims}-D ({layout}), got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{_OP}: arguments 'q', 'k', 'v' must have the same dtype, got "
+        raise TypeError(f"{op}: arguments 'q', 'k', 'v' must have the same dtype, got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
+    _check_qkv(q, k, v, _OP, "batch, heads, seq, head_dim")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{_OP}: arguments 'q', 'k', 'v' must be on the same device, got "
                          f"{q.device}, {k.device}, {v.device}")
@@ -863,14 +868,7 @@ _varlen_fwd_op.register_autograd(_varlen_backward_rule, setup_context=_varlen_se
 
 def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                          is_causal: bool) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float_tensor(t, name, _VAR_OP)
-        if t.dim() != 3:
-            raise ValueError(f"{_VAR_OP}: argument '{name}' must be 3-D (total_tokens, heads, head_dim), "
-                             f"got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{_VAR_OP}: arguments 'q', 'k', 'v' must have the same dtype, got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    _check_qkv(q, k, v, _VAR_OP, "total_tokens, heads, head_dim")
     if not (q.device == k.device == v.device == cu_seqlens.device):
         raise ValueError(f"{_VAR_OP}: arguments 'q', 'k', 'v', 'cu_seqlens' must be on the same device, got "
                          f"{q.device}, {k.device}, {v.device}, {cu_seqlens.device}")

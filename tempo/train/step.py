@@ -321,21 +321,21 @@ class StepClock:
     def timed_steps(self) -> int:
         return max(0, self.steps - self.excluded)
 
-    @property
-    def samples_per_second(self) -> float:
-        """Samples/s over the timed steps; NaN when no step was timed (a run too short to time)."""
-        if self.timed_start is None or self.timed_samples == 0:
+    def _rate(self, count: int) -> float:
+        """``count`` per second over the timed steps; NaN when no step was timed (a run too short)."""
+        if self.timed_start is None or count == 0:
             return float("nan")
         end = self.end if self.end is not None else time.perf_counter()
-        return self.timed_samples / (end - self.timed_start) if end > self.timed_start else float("nan")
+        return count / (end - self.timed_start) if end > self.timed_start else float("nan")
+
+    @property
+    def samples_per_second(self) -> float:
+        return self._rate(self.timed_samples)
 
     @property
     def tokens_per_second(self) -> float:
-        """Real (non-padding) tokens/s over the timed steps; NaN as ``samples_per_second``."""
-        if self.timed_start is None or self.timed_tokens == 0:
-            return float("nan")
-        end = self.end if self.end is not None else time.perf_counter()
-        return self.timed_tokens / (end - self.timed_start) if end > self.timed_start else float("nan")
+        """Real (non-padding) tokens/s over the timed steps."""
+        return self._rate(self.timed_tokens)
 
 
 def default_excluded_steps(steps: int) -> int:
