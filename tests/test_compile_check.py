@@ -43,7 +43,7 @@ def test_records_each_launch_once_with_its_specialization():
     assert args["BLOCK_N"] == ("constexpr", 64)
     assert args["N"] == ("int", 17)  # 40: 32-bit, not a multiple of 16
     assert args["eps"] == ("float", None)
-    assert fwd.config == "HAS_WEIGHT=1 HAS_BIAS=0 HAS_KEPT=0 BLOCK_N=64 ptr:f32x7 int:1___"
+    assert fwd.config == "HAS_WEIGHT=1 HAS_BIAS=0 HAS_KEPT=0 BLOCK_N=64 ptr:f32x6 int:___"
     assert Launch.from_json(json.loads(json.dumps(fwd.to_json()))) == fwd
 
 
