@@ -26,6 +26,7 @@ from tempo.ops._backend import use_backend
 
 FP32_TOLERANCE = 1e-5
 BF16_FACTOR = 1.5
+NOISE_FACTOR = 8.0  # for gradients that are exactly zero (see assert_gradients_match)
 
 # Each Tempo layer kind alone, the paper's three, and every layer (the floor).
 CHOICES = {
@@ -96,7 +97,11 @@ def assert_gradients_match(grads, stock, exact, what, tolerance=FP32_TOLERANCE):
         share = total.norm().item() * (exact[name].numel() / total.numel()) ** 0.5
         tempo_error = (grads[name].double() - exact[name]).norm().item()
         stock_error = (stock[name].double() - exact[name]).norm().item()
-        assert tempo_error <= BF16_FACTOR * stock_error + tolerance * share, (
+        # A gradient that is zero in exact arithmetic (the fp64 one below the stock fp32 one's
+        # rounding): both fp32 values are rounding noise of differently ordered sums, whose ratio
+        # is not a property of the layers; allow a few times the stock noise there.
+        factor = NOISE_FACTOR if exact[name].norm().item() < stock_error else BF16_FACTOR
+        assert tempo_error <= factor * stock_error + tolerance * share, (
             f"{what}: {name}'s gradient is {error:.2e} (relative L2) off the stock layers', and "
             f"{tempo_error:.3g} from fp64 where the stock gradient is {stock_error:.3g}")
 
