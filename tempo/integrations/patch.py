@@ -218,10 +218,48 @@ def _move_parameters(src: nn.Module, dst: nn.Module) -> None:
             dst.register_parameter(name, None)
 
 
+# HF GeGLU MLPs: Wo(drop(act(a) * g)), a, g = Wi(x).chunk(2). Checked by structure and numerically.
+_GEGLU_MLPS = {"ModernBertMLP"}
+
+
+def _geglu_form(module: nn.Module) -> tuple[bool, Optional[str]]:
+    """(is a GeGLU MLP, the GELU form to fuse or None when it cannot be fused)."""
+    if type(module).__name__ not in _GEGLU_MLPS:
+        return False, None
+    wi, wo, drop, act = (getattr(module, n, None) for n in ("Wi", "Wo", "drop", "act"))
+    if not (isinstance(wi, nn.Linear) and isinstance(wo, nn.Linear) and isinstance(drop, nn.Dropout)
+            and act is not None and wi.out_features == 2 * wo.in_features):
+        return False, None
+    candidate, form = gelu_form(act)
+    if not candidate or form is None or drop.p != 0.0:
+        return True, None  # another activation, or dropout inside the MLP: left alone (logged)
+    if wi.weight.is_meta:
+        return True, form
+    from tempo.ops.geglu import geglu_linear
+
+    with torch.no_grad():
+        x = torch.randn(2, 3, wi.in_features, dtype=wi.weight.dtype, device=wi.weight.device)
+        was_training = module.training
+        module.eval()
+        try:
+            got = module(x)
+        finally:
+            module.train(was_training)
+        want = geglu_linear(wi(x), wo.weight, wo.bias, form)
+    return True, form if torch.allclose(got, want, atol=1e-5, rtol=1e-5) else None
+
+
 def _replacement_for(module: nn.Module, options: dict[str, bool]) -> tuple[Optional[str], Optional[nn.Module]]:
     """(kind, new module) for a module Tempo replaces, (kind, None) for one it deliberately skips."""
     if options.get("dropout_add_layernorm") and _is_residual_block(module):
         return "dropout-add-LayerNorm", FusedResidualOutput(module)
+    is_geglu, geglu = _geglu_form(module) if options["gelu"] else (False, None)
+    if is_geglu:
+        if geglu is None:
+            return "GeGLU MLP (dropout or another activation)", None
+        from tempo.ops.geglu import GegluMLP
+
+        return "GeGLU MLP", GegluMLP(module, geglu)
     if type(module) is nn.LayerNorm:
         return ("LayerNorm", _make_layernorm(module)) if options["layernorm"] else (None, None)
     candidate, form = gelu_form(module)
@@ -450,11 +488,13 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
                            swap.qualified)
         logger.debug("%s: %s -> %s", swap.qualified, type(old).__name__, type(swap.new).__name__)
     for kind, n in sorted(skipped.items()):
-        logger.info("apply_tempo: left %d %s module%s alone (computes neither the exact nor the tanh GELU "
-                    "that InplaceGelu has)", n, kind, "" if n == 1 else "s")
+        why = ("dropout inside it, or an activation other than the exact or tanh GELU" if kind.startswith("GeGLU")
+               else "computes neither the exact nor the tanh GELU that InplaceGelu has")
+        logger.info("apply_tempo: left %d %s module%s alone (%s)", n, kind, "" if n == 1 else "s", why)
     for kind, n in sorted(counts.items()):
         target = {"GELU": "InplaceGelu", "tanh GELU": "InplaceGelu(approximate='tanh')",
-                  "dropout-add-LayerNorm": "FusedResidualOutput (DropoutAddLayerNorm)"}.get(kind, "InplaceLayerNorm")
+                  "dropout-add-LayerNorm": "FusedResidualOutput (DropoutAddLayerNorm)",
+                  "GeGLU MLP": "GegluMLP (geglu_linear: keeps Wi's output only)"}.get(kind, "InplaceLayerNorm")
         logger.info("apply_tempo: replaced %d %s -> %s", n, kind, target)
     if not counts and not state.get("attention"):
         logger.info("apply_tempo: nothing to replace in %s", type(model).__name__)
