@@ -179,6 +179,58 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# transformers families at their published sizes (random weights: the ledger counts storages, not
+# values): config class and fields. ModernBERT's second layer is a sliding-window one (global every 3).
+FAMILIES = {
+    "MiniLM-L6 (BERT, h=384)": ("BertConfig", dict(hidden_size=384, num_attention_heads=12, intermediate_size=1536)),
+    "DeBERTa-v3-large (h=1024)": ("DebertaV2Config", dict(
+        hidden_size=1024, num_attention_heads=16, intermediate_size=4096, relative_attention=True,
+        pos_att_type=["p2c", "c2p"], position_buckets=256, max_relative_positions=-1, norm_rel_ebd="layer_norm",
+        share_att_key=True, max_position_embeddings=512, position_biased_input=False)),
+    "ModernBERT-large (h=1024, I=2624)": ("ModernBertConfig", dict(
+        hidden_size=1024, num_attention_heads=16, intermediate_size=2624, global_attn_every_n_layers=3,
+        local_attention=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)),
+}
+
+
+def _family_bytes_per_added_layer(family: str, seq_len: int, patched: bool, dtype: torch.dtype,
+                                  device: str) -> float:
+    """As bytes_per_added_layer, for transformers' model of ``family`` (eager attention), before or
+    after apply_tempo(model) (the default: every layer kind the family has)."""
+    import transformers
+
+    from tempo.integrations.patch import apply_tempo
+
+    cls_name, fields = FAMILIES[family]
+    kept = {}
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        config = getattr(transformers, cls_name)(vocab_size=1000, num_hidden_layers=layers,
+                                                 attn_implementation="eager", **fields)
+        model = transformers.AutoModel.from_config(config).to(device).train()
+        if patched:
+            apply_tempo(model)
+        for batch in (1, 2):
+            ids = torch.randint(3, 1000, (batch, seq_len), device=device)
+            with ActivationLedger(model) as ledger, torch.autocast(device_type=device, dtype=dtype,
+                                                                   enabled=dtype != torch.float32):
+                model(input_ids=ids)
+            kept[layers, batch] = ledger.activation_bytes
+    return (kept[2, 2] - kept[2, 1] - kept[1, 2] + kept[1, 1]) / seq_len
+
+
+def family_table(seq_lens=(128, 512), dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> str:
+    """Per added layer, units of the family's h: transformers' model before and after apply_tempo."""
+    lines = ["| model | s | before apply_tempo | after apply_tempo(model) | saved |", "|---|---|---|---|---|"]
+    for family, (_, fields) in FAMILIES.items():
+        h = fields["hidden_size"]
+        for s in seq_lens:
+            before = _family_bytes_per_added_layer(family, s, False, dtype, device) / h
+            after = _family_bytes_per_added_layer(family, s, True, dtype, device) / h
+            lines.append(f"| {family} | {s} | {before:.1f} h | {after:.1f} h | {1 - after / before:.0%} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tempo.memory",
@@ -190,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers BertLayer column")
     parser.add_argument("--no-stack", action="store_true", help="skip the per-added-layer (stack) table")
+    parser.add_argument("--no-families", action="store_true",
+                        help="skip the MiniLM / DeBERTa-v3-large / ModernBERT-large table")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.device == "cpu" and dtype == torch.float16:
@@ -207,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nPer added layer in a stack (BertModel of 2 layers minus 1 layer, batch 2 minus batch 1; the\n"
               "layer's input is counted once, where the layer above keeps it), units of h:")
         print(format_table(stack))
+    if _transformers_available() and not args.no_hf and not args.no_families:
+        print("\nOther encoders (transformers' models with eager attention, per added layer, units of each "
+              "model's h;\ndropout as each family ships: BERT/DeBERTa 0.1, ModernBERT 0):")
+        print(family_table(tuple(args.seq_lens), dtype=dtype, device=args.device))
     if args.device == "cpu":
         print("On the CPU, scaled_dot_product_attention runs PyTorch's math fallback, which keeps the whole\n"
               "attention matrix; on a GPU its flash/memory-efficient kernels keep O(s) per row instead.")

@@ -158,7 +158,8 @@ def _make_gelu(old: nn.Module, approximate: str) -> nn.Module:
 # HF modules computing LayerNorm(dropout(dense(hidden)) + input_tensor): BERT's residual blocks and
 # their copies in RoBERTa, XLM-R, CamemBERT, ELECTRA. Checked by structure (and numerically when
 # the weights are real) before they are fused.
-_RESIDUAL_BLOCKS = {f"{family}{part}" for family in ("Bert", "Roberta", "XLMRoberta", "Camembert", "Electra")
+_RESIDUAL_BLOCKS = {f"{family}{part}" for family in ("Bert", "Roberta", "XLMRoberta", "Camembert", "Electra",
+                                                      "DebertaV2")
                     for part in ("SelfOutput", "Output")}
 
 
