@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -55,3 +56,15 @@ def test_ledger_table_for_a_small_config_and_cli(capsys, monkeypatch):
     assert main(["--seq-lens", "16", "--no-hf"]) == 0
     out = capsys.readouterr().out
     assert "Tempo saves" in out and "| 16 |" in out
+
+
+def test_family_table_shows_what_apply_tempo_saves():
+    pytest.importorskip("transformers")  # the hf extra; CI installs it
+    from tempo.bench.ledger_table import family_table
+
+    text = family_table(seq_lens=(16,))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "| 16 |" in line]
+    assert len(rows) == 3  # MiniLM, DeBERTa-v3-large, ModernBERT-large
+    for row in rows:
+        before, after = (float(cell.strip().rstrip(" h")) for cell in row.split("|")[3:5])
+        assert 0 < after < before, row
