@@ -126,3 +126,26 @@ def test_sequences_longer_than_the_position_table_are_named():
     ids = torch.ones(1, 41, dtype=torch.long)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(ids, torch.zeros_like(ids), torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("how", ["checkpointing", "compile"])
+def test_unpadded_with_activation_checkpointing_and_torch_compile(how):
+    """The layout travels through non-reentrant checkpointing and through torch.compile (its
+    host-side construction is a graph break; the layers compile with a dynamic token count)."""
+    lengths = LENGTHS["mixed"]
+    ids, types, mask = batch_of(lengths)
+    args = (ids, types, mask, *pretraining_targets(lengths))
+    torch.manual_seed(0)
+    reference = BertForPreTraining(TINY, TempoChoice.floor(), unpad=True).train()
+    torch.manual_seed(0)
+    model = BertForPreTraining(TINY, TempoChoice.floor(), unpad=True,
+                               checkpoint_activations=how == "checkpointing").train()
+    runner = torch.compile(model, backend="aot_eager", dynamic=True) if how == "compile" else model
+    want = reference(*args).loss
+    want.backward()
+    got = runner(*args).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
