@@ -196,6 +196,13 @@ def attention_keep_mask(seed: Tensor | int, shape, dropout_p: float, device=None
     return keep
 
 
+def _resolve_seed(seed: Optional[Tensor], p: float, device: torch.device) -> Tensor:
+    """The caller's seed as a 0-d int64 on ``device``, or a fresh one when dropout is on (0 when off)."""
+    if seed is None:
+        return draw_seed(device) if p > 0.0 else torch.zeros((), dtype=torch.int64, device=device)
+    return seed.to(device=device, dtype=torch.int64).reshape(())
+
+
 def draw_seed(device: torch.device | str) -> Tensor:
     """A 0-d int64 seed from torch's RNG on ``device``, without a host sync."""
     return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
@@ -736,10 +743,7 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
                 return _sdpa(q, k, v, _fused_mask(attn_mask, q), p, is_causal, scale, backends)
             _log_fallback_once(_no_fused_reason(q, v, attn_mask, p, is_causal, st))
 
-    if seed is None:
-        seed = draw_seed(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64, device=q.device)
-    else:
-        seed = seed.to(device=q.device, dtype=torch.int64).reshape(())
+    seed = _resolve_seed(seed, p, q.device)
     out, _ = _attention_fwd_op(q, k, v, attn_mask, seed, p, is_causal, scale)
     return out
 
@@ -947,10 +951,7 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
                 out[a:b] = o[0].transpose(0, 1)
             return out
 
-    if seed is None:
-        seed = draw_seed(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64, device=q.device)
-    else:
-        seed = seed.to(device=q.device, dtype=torch.int64).reshape(())
+    seed = _resolve_seed(seed, p, q.device)
     out, _ = _varlen_fwd_op(q, k, v, cu_seqlens, seed, p, is_causal, scale)
     return out
 
