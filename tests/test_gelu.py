@@ -550,7 +550,10 @@ def test_unsupported_inputs_fail_alike_in_eager_and_compiled(case):
     eager, compiled, fullgraph = raised
     assert type(eager) is error and message in str(eager)
     assert type(compiled) is type(eager) and str(compiled) == str(eager)
-    assert str(eager) in str(fullgraph.__cause__)
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 12):
+        assert str(eager) in str(fullgraph.__cause__)
+    else:  # torch 2.11's Dynamo keeps only the exception's class in fullgraph mode, not its message
+        assert f"<class '{type(eager).__name__}'>" in str(fullgraph.__cause__)
 
 
 # ------------------------------------------------------------------------------------------
