@@ -392,7 +392,7 @@ def _packing_mask(cu: Tensor, tokens: int, batch: int, device: torch.device) -> 
     return (seq[:, :, None] == seq[:, None, :]).unsqueeze(1)
 
 
-def _with_packing(mask: Optional[Tensor], same: Tensor, dtype: torch.dtype) -> Tensor:
+def _with_packing(mask: Optional[Tensor], same: Tensor) -> Tensor:
     """``mask`` (None, bool True = attend, or additive) with every cross-sequence pair masked."""
     if mask is None:
         return same
@@ -435,11 +435,11 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
             q, k, v = (x.transpose(1, 2).reshape(b * l, h, x.shape[-1]) for x in (query, key, value))
             out = efficient_attention_varlen(q, k, v, cu, max_len, dropout_p=float(dropout),
                                              training=module.training, scale=scaling, is_causal=bool(is_causal))
-            out = out.reshape(b, l, h, value.shape[-1]).transpose(1, 2)
+            out = out.reshape(b, l, h, value.shape[-1]).transpose(1, 2)  # head_mask broadcasts on [b, h, l, d]
             if head_mask is not None:
                 out = out * _per_head(head_mask)
             return out.transpose(1, 2), None
-        mask = _with_packing(mask, _packing_mask(cu, l, b, query.device), query.dtype)
+        mask = _with_packing(mask, _packing_mask(cu, l, b, query.device))
     out = core(query, key, value, mask, scaling, float(dropout), bool(is_causal), module.training)
     if head_mask is not None:
         out = out * _per_head(head_mask)
