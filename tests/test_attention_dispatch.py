@@ -333,13 +333,18 @@ def test_no_backward_on_cuda_offers_math_after_the_fused_kernels(h100, caplog):
     q, k, v = _qkv(torch.float64, grad=False)
     efficient_attention(q, k, v)  # fp64: no fused kernel, the stock math one
     assert h100.calls[-1]["enabled"] == [MATH]
-    efficient_attention(*_qkv(torch.bfloat16, grad=False), attn_mask=_padding_mask(2, 64, "bool", torch.float32),
-                        dropout_p=0.1)
+    mask = _padding_mask(2, 64, "bool", torch.float32)
+    efficient_attention(*_qkv(torch.bfloat16, grad=False), attn_mask=mask)
     assert h100.calls[-1]["enabled"] == [EFFICIENT, MATH] and h100.calls[-1]["chosen"] == EFFICIENT
+    # With dropout, the backends a backward would get (no math): a no-grad forward replayed with
+    # grad from the same RNG state (GradCache) must run the same kernel to draw the same mask.
+    efficient_attention(*_qkv(torch.bfloat16, grad=False), attn_mask=mask, dropout_p=0.1)
+    with_grad = efficient_attention(*_qkv(torch.bfloat16), attn_mask=mask, dropout_p=0.1)
+    assert h100.calls[-1]["enabled"] == h100.calls[-2]["enabled"] == [EFFICIENT] and with_grad.requires_grad
     torch.backends.cuda.enable_math_sdp(False)
     with caplog.at_level(logging.WARNING, logger="tempo"), torch.no_grad():
         efficient_attention(*_qkv(torch.float64))
-    assert len(h100.calls) == 2 and "math is disabled" in _fallback_logs(caplog)[0]
+    assert len(h100.calls) == 4 and "math is disabled" in _fallback_logs(caplog)[0]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,12 +12,16 @@ same with one fp32 log-sum-exp per row.
 
 Paths
   * No backward (grad mode off, or nothing among q, k, v, attn_mask requires grad: eval,
-    ``torch.no_grad()``, ``torch.inference_mode()``, frozen layers): nothing is kept, so the stock
-    ``F.scaled_dot_product_attention`` runs, same semantics (sdpa gives 0 for fully masked rows
-    too) and dropout: on the CPU as it is; on CUDA with the backends of the CUDA dispatch below
-    plus the math one (it materialises s×s scores, for the length of the call only). Whatever
-    ``use_backend`` says, as every Tempo layer. Exception: a ``seed`` with dropout keeps the
-    Tempo path, the only one that draws the mask from that seed.
+    ``torch.no_grad()``, ``torch.inference_mode()``, frozen layers) and no dropout (eval, or
+    ``dropout_p == 0``): nothing is kept, so the stock ``F.scaled_dot_product_attention`` runs,
+    same semantics (sdpa gives 0 for fully masked rows too): on the CPU as it is; on CUDA with the
+    backends of the CUDA dispatch below plus the math one (it materialises s×s scores, for the
+    length of the call only). Whatever ``use_backend`` says, as every Tempo layer.
+    With dropout the path is the one a backward would take, backward or not: a no-grad forward
+    replayed with grad from the same RNG state (GradCache, sentence-transformers'
+    CachedMultipleNegativesRankingLoss) then draws the same mask both times (the reference op
+    from its seed, a fused CUDA kernel from the same generator state); autograd keeps nothing
+    under no_grad either way.
   * CUDA with a backward (backend "auto" or "triton"): PyTorch's fused sdpa kernels, chosen here
     (next section); sdpa's own autograd keeps the same kind of O(s) state (q, k, v, out, lse,
     philox seed/offset, the mask). There is no Triton kernel of ours: without a measurement
@@ -698,8 +702,8 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
 
     Returns (b, h, s_q, d_v), stored as (b, s_q, h, d_v) when it keeps anything for backward.
     Pass ``training=self.training``. ``seed`` (0-d integer tensor, reference path only) fixes the
-    dropout mask; by default one is drawn from torch's RNG. Without a backward the stock sdpa
-    runs and keeps nothing (see "Paths").
+    dropout mask; by default one is drawn from torch's RNG. Without a backward and without dropout
+    the stock sdpa runs and keeps nothing (see "Paths").
     """
     _check_inputs(q, k, v, attn_mask, is_causal)
     p = check_probability(dropout_p, "dropout_p", _OP)
@@ -715,7 +719,8 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         raise TypeError(f"{_OP}: argument 'seed' must be a one-element integer tensor")
 
     # Decided on the caller's tensors, before the autocast casts below (which keep requires_grad).
-    grad = needs_backward(q, k, v, attn_mask)
+    # Dropout takes the backward's path even without one: a replayed forward draws the same mask.
+    grad = needs_backward(q, k, v, attn_mask) or p > 0.0
     seeded = seed is not None and p > 0.0  # a mask fixed by seed: only the reference op draws it
 
     if torch.is_autocast_enabled(q.device.type) and q.dtype in _AUTOCAST_ELIGIBLE:
@@ -904,7 +909,8 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     with dropout off). Dropout draws one independent stream per sequence from ``seed`` (the keep
     masks differ from the padded op's, as every dropout layer's do once tokens move).
 
-    Paths: without a backward (eval, no_grad, frozen) the stock sdpa runs on each sequence (CPU)
+    Paths: without a backward (eval, no_grad, frozen) and without dropout (with dropout the
+    backward's path runs, so a replayed forward draws the same mask) the stock sdpa runs on each sequence (CPU)
     or on nested jagged tensors (CUDA) and keeps nothing. CUDA with a backward: stock sdpa on
     nested jagged tensors, which runs the flash or efficient kernel with cu_seqlens (never cuDNN,
     which nested tensors do not take; never math: it would keep L_b² scores), offered and
@@ -920,7 +926,7 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     scale = float(scale)
-    grad = needs_backward(q, k, v)
+    grad = needs_backward(q, k, v) or p > 0.0  # dropout: the backward's path, so a replay draws the same mask
     seeded = seed is not None and p > 0.0
     if torch.is_autocast_enabled(q.device.type) and q.dtype in _AUTOCAST_ELIGIBLE:
         dtype = torch.get_autocast_dtype(q.device.type)

@@ -54,10 +54,13 @@ Semantics
         under bf16 autocast (out and dv as eager's). Keeping s in fp32 there would be exact as
         eager, for 2 more bytes per score.
   * No backward (grad mode off, or neither ``x`` nor ``v`` requires grad: eval of a frozen
-    model, ``torch.no_grad()``, ``torch.inference_mode()``): nothing is kept, so the stock ops
-    run, ``matmul(dropout(aten._safe_softmax(x, dim)), v)``, same semantics (a row all -inf gives
-    0) and dtypes, whatever ``use_backend`` says. A ``seed`` with dropout keeps this op, the only
-    one that draws the mask from that seed.
+    model, ``torch.no_grad()``, ``torch.inference_mode()``) and no dropout (eval, or ``p == 0``):
+    nothing is kept, so the stock ops run, ``matmul(aten._safe_softmax(x, dim), v)``, same
+    semantics (a row all -inf gives 0) and dtypes, whatever ``use_backend`` says. With dropout
+    this op runs with or without a backward: the mask must be the one a backward would draw, so
+    that a no-grad forward replayed with grad from the same RNG state (GradCache, sentence-
+    transformers' CachedMultipleNegativesRankingLoss, activation checkpointing's first pass)
+    draws the same mask both times. Autograd keeps nothing under no_grad either way.
 """
 
 from __future__ import annotations
@@ -569,8 +572,9 @@ def combined_softmax_dropout_matmul(x: Tensor, v: Tensor, dim: int = -1, p: floa
     dim = _normalize_dim(dim, x.dim())
     training = bool(training)
     dropout = training and p > 0.0
-    # A seed with dropout keeps this op: the stock dropout would not draw the mask from it.
-    stock = not needs_backward(x, v) and not (seed is not None and dropout)
+    # Dropout always draws its mask here, backward or not: a no-grad forward replayed with grad
+    # from the same RNG state (GradCache) must draw the same mask, and a given seed must be used.
+    stock = not dropout and not needs_backward(x, v)
     if seed is None:
         seed = draw_seed(x.device) if dropout else torch.zeros((), dtype=torch.int64, device=x.device)
     else:

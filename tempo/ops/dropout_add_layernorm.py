@@ -34,8 +34,11 @@ Semantics
     what nn.Dropout + add + nn.LayerNorm cost.
   * The regenerated mask is bit-identical to the forward's (a pure function of the seed and the
     element index on each path): nothing about dropout is approximated.
-  * No backward (grad mode off, or no input/parameter requiring grad): the stock computation,
-    ``F.layer_norm(residual + F.dropout(x, p, training))``, keeping nothing.
+  * No backward (grad mode off, or no input/parameter requiring grad) and no dropout (eval, or
+    ``p == 0``): the stock computation, ``F.layer_norm(residual + x)``, keeping nothing. With
+    dropout this op runs with or without a backward, so that a no-grad forward replayed with grad
+    from the same RNG state (GradCache, sentence-transformers' CachedMultipleNegativesRankingLoss)
+    draws the same mask both times; under no_grad autograd keeps nothing either way.
   * Dtypes: the sum and the statistics are computed in fp32 (fp64 when an input is fp64, reference
     path only). The output dtype is the autocast dtype when autocast is enabled on x's device and
     both inputs are fp32/fp16/bf16 (so the next autocast Linear keeps this very storage), else
@@ -529,7 +532,7 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
     Keeps for backward only the output, one rstd per row and a seed (see the module docstring
     for dtypes and the mask). ``p``/``training`` default as in ``F.dropout``. ``seed`` (a
     one-element integer tensor) fixes the mask; by default one is drawn from torch's RNG.
-    ``name`` names the layer in errors (non-finite γ/β). Without a backward it runs the stock ops.
+    ``name`` names the layer in errors (non-finite γ/β). Without a backward and without dropout it runs the stock ops.
     """
     check_float_tensor(x, "x", OP_NAME)
     check_float_tensor(residual, "residual", OP_NAME)
@@ -557,10 +560,11 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
         raise TypeError(f"{OP_NAME}: argument 'training' must be a bool, got {type(training).__name__}")
     dropout = training and p > 0.0
     out_dtype = _output_dtype(x, residual)
-    if not needs_backward(x, residual, weight, bias) and (seed is None or not dropout):
+    if not dropout and not needs_backward(x, residual, weight, bias):
         # Nothing will be kept: the stock ops (aten's fused LayerNorm, fp32 statistics), returned
-        # in the dtype the Tempo path returns so the model behaves the same either way. (A seed
-        # the caller fixed keeps the Tempo path, which is the one that draws that mask.)
+        # in the dtype the Tempo path returns so the model behaves the same either way. With
+        # dropout the Tempo path runs even without a backward: a no-grad forward replayed with
+        # grad from the same RNG state (GradCache) must draw the same mask.
         with torch.autocast(x.device.type, enabled=False):
             compute = _compute_dtype(x.dtype, residual.dtype)
             s = residual.to(compute) + F.dropout(x.to(compute), p, training)
