@@ -150,7 +150,8 @@ def test_eager_attention_mask_from_sdpa_masks():
 
 
 def test_deberta_v2_attention_is_not_reported_as_patched(caplog):
-    """DeBERTa-v2 computes attention itself (no AttentionInterface): apply_tempo must not claim it."""
+    """DeBERTa-v2 computes attention itself (no AttentionInterface): apply_tempo must not claim the
+    interface; it swaps the attention core module by module (tests/test_encoders.py) and says so."""
     import logging
 
     config = transformers.DebertaV2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -159,7 +160,7 @@ def test_deberta_v2_attention_is_not_reported_as_patched(caplog):
     model = transformers.DebertaV2ForMaskedLM(config).eval()
     assert not hf_attention.model_dispatches_attention(model)
     assert hf_attention.model_dispatches_attention(modernbert())
-    with pytest.raises(ImportError, match="DebertaV2ForMaskedLM .* computes attention in its own layers"):
+    with pytest.raises(ImportError, match="DebertaV2ForMaskedLM: DeBERTa's disentangled attention adds a dense"):
         apply_tempo(model, attention="efficient")
     assert tempo_patched(model) == {"attention": 0}
     ids = torch.randint(3, 100, (2, 7))
@@ -169,8 +170,8 @@ def test_deberta_v2_attention_is_not_reported_as_patched(caplog):
         apply_tempo(model)  # the default swaps what runs and says what it left
     counts = tempo_patched(model)
     assert counts["attention"] == 0 and model.config._attn_implementation == "eager"
-    assert counts["InplaceLayerNorm"] > 0 and counts["InplaceGelu"] > 0
-    assert sum("attention left as it is: DebertaV2ForMaskedLM" in m for m in caplog.messages) == 1
+    assert counts["InplaceLayerNorm"] > 0 and counts["InplaceGelu"] > 0 and counts["DebertaCombinedAttention"] == 2
+    assert sum("replaced 2 DeBERTa attention core" in m for m in caplog.messages) == 1
     assert not any("tempo_efficient" in m for m in caplog.messages)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, reference, atol=1e-5, rtol=0)

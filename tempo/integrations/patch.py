@@ -29,9 +29,15 @@ modified, so other models in the process are untouched. What is replaced:
     transformers' AttentionInterface and AttentionMaskInterface. Needs transformers >= 4.50 and a
     model whose attention layers dispatch through the interface (``model_dispatches_attention``).
     Where that is missing, an attention the caller named raises ImportError before anything is
-    changed; the default leaves the attention as it is and says so in one INFO line, so
-    ``apply_tempo(model)`` on DeBERTa-v2 (its own attention) swaps what it can and reports no
-    attention swap. A model whose config sets ``output_attentions=True`` keeps its attention
+    changed; the default leaves the attention as it is and says so in one INFO line.
+  * DeBERTa-v2/v3 (transformers' ``deberta_v2``) compute attention in their own
+    ``DisentangledSelfAttention``: with the default or ``attention="tempo"``/True each of those
+    becomes a ``DebertaCombinedAttention`` (tempo.integrations.deberta: same submodules and
+    state_dict keys, relative-position bias as it was, softmax -> dropout -> bmm as Combined),
+    checked numerically against the original first; ``attention="efficient"`` raises
+    ImportError (its dense relative-position bias is not something the efficient attention
+    takes). ``config._attn_implementation`` stays as it is: the interface is not claimed.
+    A model whose config sets ``output_attentions=True`` keeps its attention
     (Tempo attention keeps no weights to return, so every call would fall back to eager anyway),
     logged; a call that asks for attention weights on a patched model gets them from the model's
     eager attention, with eager's additive mask, for that call (logged once, see hf_attention),
@@ -250,8 +256,23 @@ def _geglu_form(module: nn.Module) -> tuple[bool, Optional[str]]:
     return True, form if torch.allclose(got, want, atol=1e-5, rtol=1e-5) else None
 
 
+def _deberta_attention(module: nn.Module) -> tuple[Optional[str], Optional[nn.Module]]:
+    from tempo.integrations.deberta import DebertaCombinedAttention, is_deberta_v2_attention, matches_original
+
+    if not is_deberta_v2_attention(module):
+        return None, None
+    new = DebertaCombinedAttention(module)
+    if not matches_original(new, module):
+        return "DeBERTa attention (its forward computes something else)", None
+    return "DeBERTa attention core", new
+
+
 def _replacement_for(module: nn.Module, options: dict[str, bool]) -> tuple[Optional[str], Optional[nn.Module]]:
     """(kind, new module) for a module Tempo replaces, (kind, None) for one it deliberately skips."""
+    if options.get("attention_core"):
+        kind, new = _deberta_attention(module)
+        if kind is not None:
+            return kind, new
     if options.get("dropout_add_layernorm") and _is_residual_block(module):
         return "dropout-add-LayerNorm", FusedResidualOutput(module)
     is_geglu, geglu = _geglu_form(module) if options["gelu"] else (False, None)
@@ -301,8 +322,7 @@ def _plan_swaps(model: nn.Module, options: dict[str, bool]) -> tuple[list[_Swap]
                 continue
             if new is None:
                 skipped[kind] += 1
-                logger.debug("left %s (%s) alone: it computes neither GELU form InplaceGelu has",
-                             qualified, type(child).__name__)
+                logger.debug("left %s (%s) alone: %s", qualified, type(child).__name__, kind)
                 continue
             new.train(child.training)
             new.__dict__[_ORIGINAL] = child  # plain attribute: not a submodule, not in state_dict
@@ -395,6 +415,12 @@ def _patch_attention(model: nn.Module, state: dict[str, Any], implementation: st
     return True
 
 
+def _has_deberta_attention(model: nn.Module) -> bool:
+    from tempo.integrations.deberta import is_deberta_v2_attention
+
+    return any(is_deberta_v2_attention(module) for module in model.modules())
+
+
 def _check_attention_possible(model: nn.Module) -> None:
     """ImportError unless switching this model's attn_implementation changes what runs."""
     from tempo.integrations.hf_attention import (MIN_ATTENTION_INTERFACE_VERSION, model_dispatches_attention,
@@ -427,7 +453,9 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     Combined); False leaves it; not when the config sets ``output_attentions=True``.
     ``dropout_add_layernorm``: BERT-family residual blocks (``BertSelfOutput``/``BertOutput`` and
     their RoBERTa/XLM-R/CamemBERT/ELECTRA copies) -> ``FusedResidualOutput`` (one
-    DropoutAddLayerNorm, same state_dict keys). The paper's three layers:
+    DropoutAddLayerNorm, same state_dict keys); DeBERTa-v2/v3's also. ModernBERT's GeGLU MLP
+    -> ``GegluMLP`` (with ``gelu``). DeBERTa-v2/v3's attention core -> ``DebertaCombinedAttention``
+    (with the default or "tempo" attention). The paper's three layers:
     ``apply_tempo(model, attention="tempo", dropout_add_layernorm=False)``.
     See the module docstring for what is and is not replaced. Idempotent; all or nothing.
 
@@ -438,8 +466,9 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
 
     Raises ImportError (before changing anything) when ``attention`` names a Tempo attention
     (True, "tempo", "efficient") for an HF model whose attention does not dispatch through
-    transformers' AttentionInterface; with the default (None) that attention is left as it is,
-    logged in one line, and everything else is swapped.
+    transformers' AttentionInterface (DeBERTa-v2/v3: "efficient" only; its core runs as
+    Combined); with the default (None) that attention is left as it is, logged in one line, and
+    everything else is swapped.
     """
     implementation = _attention_implementation(attention)
     switch_attention = implementation is not None
@@ -447,18 +476,29 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         switch_attention = False
         logger.info("attention: %s's config sets output_attentions=True; Tempo attention keeps no attention "
                     "weights to return, so the attention is left as it is", type(model).__name__)
+    # DeBERTa-v2/v3 compute attention in their own modules: their softmax -> dropout -> matmul core
+    # is swapped module by module (Combined), for the default and for attention="tempo".
+    attention_core = switch_attention and _has_deberta_attention(model)
     if switch_attention:
         try:
             _check_attention_possible(model)
         except ImportError as exc:
-            if attention is not None:
-                raise
             switch_attention = False
-            logger.info("apply_tempo: attention left as it is: %s", str(exc).split(". apply_tempo(")[0])
+            if attention_core and implementation == "tempo_efficient" and attention is not None:
+                raise ImportError(
+                    f"{type(model).__name__}: DeBERTa's disentangled attention adds a dense relative-position "
+                    f"bias to every score, so the efficient attention (O(s) kept per row) cannot run it; "
+                    f"Tempo runs its softmax -> dropout -> matmul core as Combined: apply_tempo(model) or "
+                    f"apply_tempo(model, attention='tempo')") from exc
+            if not attention_core:
+                if attention is not None:
+                    raise
+                logger.info("apply_tempo: attention left as it is: %s", str(exc).split(". apply_tempo(")[0])
 
     # 1. Plan: build every replacement; nothing in the model changes if this fails.
     swaps, skipped = _plan_swaps(model, {"gelu": gelu, "layernorm": layernorm,
-                                         "dropout_add_layernorm": dropout_add_layernorm})
+                                         "dropout_add_layernorm": dropout_add_layernorm,
+                                         "attention_core": attention_core})
 
     # 2. Apply: swap them all in, then the attention; undo everything if any step fails.
     had_state = _STATE in model.__dict__
@@ -490,12 +530,15 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         logger.debug("%s: %s -> %s", swap.qualified, type(old).__name__, type(swap.new).__name__)
     for kind, n in sorted(skipped.items()):
         why = ("dropout inside it, or an activation other than the exact or tanh GELU" if kind.startswith("GeGLU")
+               else "transformers' forward differs from the one Tempo mirrors" if kind.startswith("DeBERTa")
                else "computes neither the exact nor the tanh GELU that InplaceGelu has")
         logger.info("apply_tempo: left %d %s module%s alone (%s)", n, kind, "" if n == 1 else "s", why)
     for kind, n in sorted(counts.items()):
         target = {"GELU": "InplaceGelu", "tanh GELU": "InplaceGelu(approximate='tanh')",
                   "dropout-add-LayerNorm": "FusedResidualOutput (DropoutAddLayerNorm)",
-                  "GeGLU MLP": "GegluMLP (geglu_linear: keeps Wi's output only)"}.get(kind, "InplaceLayerNorm")
+                  "GeGLU MLP": "GegluMLP (geglu_linear: keeps Wi's output only)",
+                  "DeBERTa attention core": "DebertaCombinedAttention (softmax -> dropout -> bmm as Combined; "
+                                            "relative-position bias as it was)"}.get(kind, "InplaceLayerNorm")
         logger.info("apply_tempo: replaced %d %s -> %s", n, kind, target)
     if not counts and not state.get("attention"):
         logger.info("apply_tempo: nothing to replace in %s", type(model).__name__)
