@@ -35,16 +35,23 @@ def run(model, dtype=torch.float32):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+NOISE_FACTOR = 8  # as tests/test_exactness.py: Tempo's rounding may differ from stock's, not its accuracy
+
+
 def assert_same_gradients(grads, stock, exact):
-    """Within 1e-5 relative L2 of the stock gradient, or, for gradients zero in exact arithmetic
-    (the position-key bias: a per-row shift of the scores), rounding noise like the stock one's."""
+    """Within 1e-5 relative L2 of the stock gradient; where they differ more, the gradient is one
+    that cancels (the key and position-key biases: nearly or exactly a per-row shift of the
+    scores, whose softmax gradient sums to ~0; amplified by γ near 0), and Tempo's distance to the
+    fp64 gradient must then stay within a few times the stock fp32 model's own. A wrong gradient
+    (the old LayerNorm recovery: 20-30 % off) fails either way."""
     assert grads.keys() == stock.keys()
     for name in stock:
         if (grads[name] - stock[name]).norm() <= 1e-5 * stock[name].norm():
             continue
-        stock_noise = (stock[name].double() - exact[name]).norm()
-        assert exact[name].norm() < stock_noise, name  # only noise may differ
-        assert (grads[name].double() - exact[name]).norm() <= 8 * stock_noise, name
+        stock_error = (stock[name].double() - exact[name]).norm()
+        tempo_error = (grads[name].double() - exact[name]).norm()
+        assert tempo_error <= NOISE_FACTOR * stock_error, (name, float(exact[name].norm()), float(stock_error),
+                                                           float(tempo_error))
 
 
 @pytest.mark.parametrize("adversarial", [False, True], ids=["init", "gamma-near-zero"])
