@@ -106,3 +106,31 @@ def test_hf_bert_with_tempo_replays_dropout_in_a_no_grad_pass():
     torch.testing.assert_close(first, second.detach(), rtol=1e-5, atol=1e-5)
     other = model(input_ids=ids, attention_mask=mask).last_hidden_state  # new masks: a real draw
     assert (first - other.detach()).abs().max() > 0.1
+
+
+def test_hf_bert_with_tempo_under_reentrant_checkpointing_matches_without():
+    """Reentrant activation checkpointing runs each layer's forward under no_grad and recomputes
+    it with grad in backward, RNG restored: with dropout on, the loss and every gradient must be
+    those of the same model without checkpointing (same masks in all three passes)."""
+    transformers = pytest.importorskip("transformers")  # the hf extra; CI installs it
+    from tempo.integrations.patch import apply_tempo
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    ids = torch.randint(3, 100, (3, 10))
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = apply_tempo(transformers.BertForMaskedLM(config)).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        torch.manual_seed(1)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain_loss, plain), (ckpt_loss, ckpt) = results
+    torch.testing.assert_close(ckpt_loss, plain_loss, rtol=1e-5, atol=1e-6)
+    assert ckpt.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
