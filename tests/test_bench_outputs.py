@@ -27,14 +27,18 @@ def _one_thread(monkeypatch):
 @pytest.fixture(scope="module")
 def results_dir(tmp_path_factory):
     """One directory with a sweep, a layer and an ops record, as a user's run would leave."""
+    threads = torch.get_num_threads()  # restored: later test files must not run on one thread
     torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("results")
-    assert bench_main(["sweep", *TINY_TRAIN, "--precision", "fp32", "--batch-sizes", "1", "2",
-                       "--techniques", "fp32,tempo-sdpa", "--no-isolate", "--out-dir", str(root)]) == 0
-    assert bench_main(["layer", "--shapes", "tiny", "--variants", "original,sdpa,hf-eager", "--warmup", "1",
-                       "--repeats", "2", "--out", str(root / "layer.json")]) == 0
-    assert bench_main(["ops", "--shapes", "tiny", "--no-compile", "--warmup", "1", "--repeats", "2",
-                       "--device", "cpu", "--out", str(root / "ops.json")]) == 0
+    try:
+        root = tmp_path_factory.mktemp("results")
+        assert bench_main(["sweep", *TINY_TRAIN, "--precision", "fp32", "--batch-sizes", "1", "2",
+                           "--techniques", "fp32,tempo-sdpa", "--no-isolate", "--out-dir", str(root)]) == 0
+        assert bench_main(["layer", "--shapes", "tiny", "--variants", "original,sdpa,hf-eager", "--warmup", "1",
+                           "--repeats", "2", "--out", str(root / "layer.json")]) == 0
+        assert bench_main(["ops", "--shapes", "tiny", "--no-compile", "--warmup", "1", "--repeats", "2",
+                           "--device", "cpu", "--out", str(root / "ops.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
     return root
 
 

@@ -34,8 +34,12 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def fp32_result():
+    threads = torch.get_num_threads()  # restored: later test files must not run on one thread
     torch.set_num_threads(1)
-    return run_train_bench(TrainBenchConfig(**TINY, precision="fp32", optimizer="adamw", peak_tflops=2.0))
+    try:
+        return run_train_bench(TrainBenchConfig(**TINY, precision="fp32", optimizer="adamw", peak_tflops=2.0))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_record_keys_and_timing_fields(fp32_result):
