@@ -36,7 +36,7 @@ logger = logging.getLogger("tempo.integrations.deberta")
 
 _CLASS = "DisentangledSelfAttention"
 _MODULE = "transformers.models.deberta_v2."
-_REQUIRED = ("query_proj", "key_proj", "value_proj", "dropout")
+_PROJECTIONS = ("query_proj", "key_proj", "value_proj")
 _logged_weights = False
 
 
@@ -46,7 +46,7 @@ def is_deberta_v2_attention(module: nn.Module) -> bool:
     cls = type(module)
     if cls.__name__ != _CLASS or not cls.__module__.startswith(_MODULE):
         return False
-    if not all(isinstance(getattr(module, name, None), nn.Linear) for name in _REQUIRED[:3]):
+    if not all(isinstance(getattr(module, name, None), nn.Linear) for name in _PROJECTIONS):
         return False
     return type(getattr(module, "dropout", None)) is nn.Dropout and all(
         callable(getattr(cls, name, None)) for name in ("transpose_for_scores", "disentangled_attention_bias"))

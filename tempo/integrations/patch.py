@@ -263,7 +263,7 @@ def _deberta_attention(module: nn.Module) -> tuple[Optional[str], Optional[nn.Mo
         return None, None
     new = DebertaCombinedAttention(module)
     if not matches_original(new, module):
-        return "DeBERTa attention (its forward computes something else)", None
+        return "DeBERTa attention", None
     return "DeBERTa attention core", new
 
 
@@ -470,6 +470,8 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     Combined); with the default (None) that attention is left as it is, logged in one line, and
     everything else is swapped.
     """
+    from tempo.integrations.hf_attention import TEMPO_EFFICIENT_ATTENTION
+
     implementation = _attention_implementation(attention)
     switch_attention = implementation is not None
     if switch_attention and _asks_for_attention_weights(model):
@@ -484,7 +486,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
             _check_attention_possible(model)
         except ImportError as exc:
             switch_attention = False
-            if attention_core and implementation == "tempo_efficient" and attention is not None:
+            if attention_core and implementation == TEMPO_EFFICIENT_ATTENTION and attention is not None:
                 raise ImportError(
                     f"{type(model).__name__}: DeBERTa's disentangled attention adds a dense relative-position "
                     f"bias to every score, so the efficient attention (O(s) kept per row) cannot run it; "
