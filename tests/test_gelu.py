@@ -490,7 +490,12 @@ def test_stock_and_tempo_outputs_agree_within_rounding(backend, device, approxim
     with torch.no_grad():
         stock = inplace_gelu(x, approximate).double()
     bound = torch.finfo(dtype).eps * tempo.abs() + STOCK_ATOL[dtype]
-    assert ((stock - tempo).abs() <= bound).all(), ((stock - tempo).abs() - bound).max().item()
+    # The stock op's own rounding error counts as agreement: on CPUs with AVX512-FP16 torch computes
+    # fp16 GELU in fp16 arithmetic, ~10 ULPs off near x = -3.9 (the fp64 value tells which side is off).
+    exact = F.gelu(x.double(), approximate=approximate)
+    assert ((tempo - exact).abs() <= bound).all(), ((tempo - exact).abs() - bound).max().item()
+    stock_error = (stock - exact).abs()
+    assert ((stock - tempo).abs() <= bound + stock_error).all(), ((stock - tempo).abs() - bound - stock_error).max()
 
 
 @pytest.mark.parametrize("approximate", FORM_NAMES)
