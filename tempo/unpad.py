@@ -14,7 +14,10 @@ the position it had in the padded row, so the position embeddings are the padded
 Bad input is refused before any compute, naming the argument: a mask that is not 0/1, real tokens
 that are not contiguous within a row (a hole), a row without any real token (its [CLS] would not
 exist: an error, not a silent zero), and ``cu_seqlens`` that do not start at 0, do not increase or
-do not end at T. One host read of the mask (the lengths) per batch.
+do not end at T. One host read of the mask (the lengths) per batch, and none in any layer: the
+layout knows ``max_seqlen`` and ``min_seqlen`` on the host and records its ``cu_seqlens`` with the
+attention ops (``tempo.ops.attention.remember_sequences``), so the variable-length attention never
+reads them back from the device.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ class TokenLayout:
     """Where the T real tokens of a [B, L] batch sit.
 
     ``indices``: int64 [T], flat position b·L + i of each real token in the padded batch, sequence
-    by sequence; ``cu_seqlens``: int32 [B + 1]; ``max_seqlen``: host int; ``batch_size`` B and
-    ``seq_len`` L of the padded batch; ``lengths``: host list of the B lengths.
+    by sequence; ``cu_seqlens``: int32 [B + 1]; ``max_seqlen``/``min_seqlen``: host ints, the
+    longest and shortest sequence; ``batch_size`` B and ``seq_len`` L of the padded batch;
+    ``lengths``: host tuple of the B lengths.
     """
 
     indices: Tensor
@@ -45,6 +49,7 @@ class TokenLayout:
     batch_size: int
     seq_len: int
     lengths: tuple[int, ...]
+    min_seqlen: int = 0
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -63,8 +68,8 @@ class TokenLayout:
         first = torch.where(is_real, positions, l).amin(1)
         last = torch.where(is_real, positions, -1).amax(1)
         bad_values = ((mask != 0) & (mask != 1)).sum(1)
-        stats = torch.stack([lengths, first, last, bad_values], 1).cpu()
-        for row, (length, start, end, bad) in enumerate(stats.tolist()):
+        stats = torch.stack([lengths, first, last, bad_values], 1).tolist()  # the one host read
+        for row, (length, start, end, bad) in enumerate(stats):
             if bad:
                 raise LayoutError(f"argument '{arg}' must hold 0 and 1 only; row {row} has other values")
             if length == 0:
@@ -73,15 +78,20 @@ class TokenLayout:
             if end - start + 1 != length:
                 raise LayoutError(f"argument '{arg}': row {row}'s real tokens are not contiguous (positions "
                                   f"{start}..{end} hold {length} of them); only left or right padding is supported")
-        lengths_list = tuple(int(n) for n in stats[:, 0].tolist())
-        indices = torch.nonzero(is_real.reshape(-1), as_tuple=False).flatten()
-        return cls._build(indices, lengths_list, b, l, mask.device)
+        lengths_list = tuple(int(row[0]) for row in stats)
+        # The T real positions, ascending, without another host read: T is known, so a stable sort
+        # of the flags (real ones first, in order) replaces nonzero (which must read its size).
+        real = is_real.reshape(-1)
+        indices = torch.sort(real.to(torch.uint8), stable=True, descending=True).indices[:sum(lengths_list)]
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # on the device
+        return cls._build(indices, lengths_list, b, l, mask.device, cu_seqlens)
 
     @classmethod
     def full(cls, batch_size: int, seq_len: int, device: torch.device | str) -> "TokenLayout":
         """Every row all real tokens: the padded batch seen as B sequences of length L."""
         indices = torch.arange(batch_size * seq_len, device=device)
-        return cls._build(indices, (seq_len,) * batch_size, batch_size, seq_len, torch.device(device))
+        cu_seqlens = torch.arange(0, (batch_size + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+        return cls._build(indices, (seq_len,) * batch_size, batch_size, seq_len, torch.device(device), cu_seqlens)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Tensor, total_tokens: int, arg: str = "cu_seqlens") -> "TokenLayout":
@@ -90,7 +100,7 @@ class TokenLayout:
             raise LayoutError(f"argument '{arg}' must be a 1-D tensor of at least 2 offsets")
         if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
             raise LayoutError(f"argument '{arg}' must be an integer tensor, got {cu_seqlens.dtype}")
-        offsets = [int(v) for v in cu_seqlens.cpu().tolist()]
+        offsets = [int(v) for v in cu_seqlens.tolist()]  # the one host read
         if offsets[0] != 0:
             raise LayoutError(f"argument '{arg}' must start at 0, got {offsets[0]}")
         lengths = tuple(b - a for a, b in zip(offsets, offsets[1:]))
@@ -100,16 +110,20 @@ class TokenLayout:
             raise LayoutError(f"argument '{arg}' ends at {offsets[-1]} but there are {total_tokens} tokens")
         device = cu_seqlens.device
         indices = torch.arange(total_tokens, device=device)
-        return cls._build(indices, lengths, 1, total_tokens, device)
+        return cls._build(indices, lengths, 1, total_tokens, device, cu_seqlens.to(torch.int32))
 
     @classmethod
-    def _build(cls, indices: Tensor, lengths: tuple[int, ...], b: int, l: int, device) -> "TokenLayout":
-        cu = [0]
+    def _build(cls, indices: Tensor, lengths: tuple[int, ...], b: int, l: int, device,
+               cu_seqlens: Tensor) -> "TokenLayout":
+        """``cu_seqlens``: int32 [B + 1] on the device, holding the offsets of ``lengths``."""
+        from tempo.ops.attention import remember_sequences  # the ops sit below this module
+
+        offsets = [0]
         for n in lengths:
-            cu.append(cu[-1] + n)
-        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
-        return cls(indices=indices, cu_seqlens=cu_seqlens, max_seqlen=max(lengths, default=0),
-                   batch_size=b, seq_len=l, lengths=lengths)
+            offsets.append(offsets[-1] + n)
+        facts = remember_sequences(cu_seqlens, offsets)  # the attention ops never read it back
+        return cls(indices=indices, cu_seqlens=cu_seqlens, max_seqlen=facts.max_seqlen, batch_size=b, seq_len=l,
+                   lengths=lengths, min_seqlen=facts.min_seqlen)
 
     # -- what it tells -----------------------------------------------------------------------------
     @property

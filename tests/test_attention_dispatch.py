@@ -61,15 +61,62 @@ class FakeH100:
             return half and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0
         return backend == MATH
 
+    @staticmethod
+    def _seq_len_0(*nested):
+        # torch's _check_for_seq_len_0_nested: the shortest sequence of q, then k, then v (each a
+        # host read, offsets.diff().min().item(), unless the nested tensor was given min_seqlen).
+        return all(t._get_min_seqlen() > 0 for t in nested)
+
+    def takes_nested(self, backend, q, k, v, p, is_causal):
+        """torch's nested (jagged) sdpa (torch/nested/_internal/sdpa.py, the same in 2.11 and 2.13):
+        flash also needs equal head dims that are a multiple of 8 (only dense flash pads them);
+        flash and efficient refuse an empty sequence; math refuses is_causal; cuDNN is not modelled."""
+        if backend == FLASH:
+            d = q.shape[-1]
+            return (self.takes(FLASH, q, k, v, None, p, is_causal) and d == k.shape[-1] == v.shape[-1]
+                    and d % 8 == 0 and self._seq_len_0(q, k, v))
+        if backend == EFFICIENT:
+            return self.takes(EFFICIENT, q, k, v, None, p, is_causal) and self._seq_len_0(q, k, v)
+        if backend == MATH:
+            return not is_causal
+        return False
+
     def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         self.install_default_priority()  # sdpa's own selection goes through priority_order() too
         enabled = _cur_sdpa_kernel_backends(with_priority=True)
-        chosen = next((b for b in enabled if self.takes(b, q, k, v, attn_mask, dropout_p, is_causal)), None)
+        if q.is_nested:
+            # Nested sdpa ignores the priority order: flash, efficient, math, cuDNN, the enabled ones.
+            order = [b for b in (FLASH, EFFICIENT, MATH, CUDNN) if b in enabled]
+            chosen = next((b for b in order if self.takes_nested(b, q, k, v, dropout_p, is_causal)), None)
+        else:
+            chosen = next((b for b in enabled if self.takes(b, q, k, v, attn_mask, dropout_p, is_causal)), None)
         self.calls.append(dict(enabled=enabled, priority=torch._C._get_sdp_priority_order(), chosen=chosen,
-                               mask=attn_mask, p=dropout_p, is_causal=is_causal, scale=scale))
-        assert chosen is not None, f"No available kernel (enabled {enabled})"
-        with sdpa_kernel([MATH]):
-            return _REAL_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+                               mask=attn_mask, p=dropout_p, is_causal=is_causal, scale=scale, nested=q.is_nested))
+        assert chosen is not None, f"No viable backend (enabled {enabled})"
+        if q.is_nested and chosen in (FLASH, EFFICIENT):
+            # _sdpa_nested_preprocessing: cu_seqlens and max_seqlen of q and k, min_seqlen of q.
+            qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+            qt._get_max_seqlen(), kt._get_max_seqlen(), qt._get_min_seqlen()
+        return self.compute(q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+    @staticmethod
+    def compute(q, k, v, attn_mask, dropout_p, is_causal, scale):
+        """The result, on the CPU: the math kernel (per sequence for nested inputs, causal too)."""
+        if not q.is_nested:
+            with sdpa_kernel([MATH]):
+                return _REAL_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                  scale=scale)
+        qv, kv, vv = (t.transpose(1, 2).values() for t in (q, k, v))  # [T, H, D]
+        offsets = q.offsets()
+        bounds = offsets.tolist()
+        pieces = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (qv, kv, vv)]
+            with sdpa_kernel([MATH]):
+                o = _REAL_SDPA(*seq, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+            pieces.append(o[0].transpose(0, 1))
+        out = torch.cat(pieces) if pieces else qv.new_zeros((0, qv.shape[1], vv.shape[2]))
+        return torch.nested.nested_tensor_from_jagged(out, offsets).transpose(1, 2)
 
 
 @pytest.fixture
@@ -149,10 +196,14 @@ def test_default_priority_installed_once_before_our_block(h100, monkeypatch):
 @pytest.mark.parametrize("p", [0.0, 0.125])
 def test_mask_never_offers_cudnn(h100, dtype, kind, s, p):
     """A mask is never given to cuDNN (NaN grad_q when s % 128 == 64, pytorch 196678), whatever
-    the dropout rate: the efficient kernel takes it. An additive mask arrives in q's dtype."""
+    the dropout rate: the efficient kernel takes it. An additive mask arrives in q's dtype. (An
+    additive mask with dropout runs the reference op: see the float-mask tests below.)"""
     q, k, v = _qkv(dtype, s=s)
     mask = _padding_mask(2, s, kind, torch.float32)
     out = efficient_attention(q, k, v, attn_mask=mask, dropout_p=p)
+    if kind == "additive" and p > 0:
+        assert h100.calls == []
+        return
     (call,) = h100.calls
     assert call["enabled"] == [EFFICIENT] and call["chosen"] == EFFICIENT
     assert call["mask"].dtype == (torch.bool if kind == "bool" else dtype)
@@ -316,6 +367,26 @@ def test_float_mask_that_needs_grad_gets_it_from_the_reference_op(h100, caplog):
     # The same mask without a gradient to compute goes to the fused kernel.
     efficient_attention(q, k, v, attn_mask=mask.detach())
     assert h100.calls[0]["chosen"] == EFFICIENT
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["bias", "learned_bias"])
+def test_float_mask_with_dropout_runs_the_reference_op_whatever_its_requires_grad(h100, caplog, requires_grad):
+    """One rule for every pass (issue 28): a float mask with dropout on runs the reference op,
+    whether or not it requires grad, so a no-grad pass and its replay with grad draw the same mask
+    from the same op. A bool mask with dropout keeps the fused kernel; a float mask without
+    dropout and without grad too (nothing is drawn; the paths agree to rounding)."""
+    q, k, v = _qkv(torch.bfloat16, s=16, d=16)
+    bias = torch.randn(2, 1, 16, 16, requires_grad=requires_grad)
+    with caplog.at_level(logging.WARNING, logger="tempo"):
+        efficient_attention(q, k, v, attn_mask=bias, dropout_p=0.1)
+        with torch.no_grad():
+            efficient_attention(q, k, v, attn_mask=bias, dropout_p=0.1)
+    assert h100.calls == []
+    assert any("float attn_mask with dropout on" in m for m in _fallback_logs(caplog))
+    efficient_attention(q, k, v, attn_mask=_padding_mask(2, 16, "bool", torch.float32), dropout_p=0.1)
+    efficient_attention(q, k, v, attn_mask=bias.detach(), dropout_p=0.0)
+    assert [c["chosen"] for c in h100.calls] == [EFFICIENT, EFFICIENT]
+    assert h100.calls[0]["p"] == 0.1 and h100.calls[0]["mask"].dtype == torch.bool
 
 
 def test_seed_with_dropout_on_the_fused_path_is_an_error(h100):

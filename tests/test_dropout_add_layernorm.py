@@ -631,3 +631,50 @@ def test_triton_forced_on_fp64_names_the_dtype():
         pytest.skip("Triton cannot run on the CPU here")
     with use_backend("triton"), pytest.raises(TypeError, match="float64"):
         _call(residual=torch.randn(2, 4, dtype=torch.float64, requires_grad=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# The kept-column plan per parameter version, parameters on another device (issue 28)
+# ---------------------------------------------------------------------------------------------
+def test_plan_is_cached_per_parameter_version_and_follows_updates():
+    """Triton path: the plan is read once per version of γ/β (the second forward reads nothing),
+    and an update that makes a column unrecoverable (γ_3 -> 1e-30 under β_3 = 0.5) is planned:
+    every gradient stays the stock one's."""
+    from test_host_reads import HostReadCounter
+    from conftest import triton_blocker
+
+    if triton_blocker("cpu") is not None:
+        pytest.skip(triton_blocker("cpu")[1])
+    module = DropoutAddLayerNorm(8, 0.0)
+    stock = nn.LayerNorm(8)
+    x, r, g = torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 8)
+
+    def reads(fn):
+        counter = HostReadCounter()
+        with counter.installed(), counter.counting():
+            fn()
+        return counter.total
+
+    with use_backend("triton"):
+        for gamma_3 in (1.0, 1e-30):
+            with torch.no_grad():
+                module.weight[3] = gamma_3
+                module.bias[3] = 0.5
+                stock.load_state_dict(module.state_dict())
+            xs = [x.clone().requires_grad_() for _ in range(2)]
+            assert reads(lambda: module(xs[0], r).backward(g)) == 1
+            stock(xs[1] + r).backward(g)
+            torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-4, atol=1e-5)
+            assert reads(lambda: module(x.clone().requires_grad_(), r).backward(g)) == 0
+
+
+@pytest.mark.parametrize("where", ["weight", "bias"])
+def test_parameters_on_another_device_raise_naming_the_layer(where):
+    from tempo.ops.layernorm import name_layernorms
+
+    model = nn.ModuleDict({"block": DropoutAddLayerNorm(4, 0.1)})
+    name_layernorms(model)
+    setattr(model["block"], where, nn.Parameter(torch.ones(4, device="meta")))
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"^block: {where} \(.\) is on meta but the input is on cpu"):
+        model["block"](x, x)

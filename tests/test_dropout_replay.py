@@ -14,6 +14,8 @@ from tempo.ops.attention import efficient_attention, efficient_attention_varlen
 from tempo.ops.combined import combined_softmax_dropout_matmul
 from tempo.ops.dropout_add_layernorm import dropout_add_layernorm
 
+from test_attention_dispatch import h100  # noqa: F401  (fixture: the simulated H100)
+
 
 def _replayed(fn, *inputs):
     """fn's output under no_grad and again with grad, from the same RNG state."""
@@ -57,6 +59,37 @@ def test_efficient_attention_replays_its_mask(mask):
     first, second = _replayed(lambda q, k, v: efficient_attention(q, k, v, attn_mask=m, dropout_p=0.3), q, k, v)
     assert torch.equal(first, second)
     assert not torch.equal(first, efficient_attention(q, k, v, attn_mask=m, dropout_p=0.3, training=False))
+
+
+@pytest.mark.parametrize("where", ["cpu", "simulated_h100"])
+def test_efficient_attention_with_a_learned_bias_replays_its_mask(request, where):
+    """A float attn_mask computed from a learned parameter requires grad in the pass with grad and
+    not in the no-grad pass: which op draws the dropout mask must not depend on that (issue 28: on
+    CUDA the no-grad pass ran the fused kernel, the replay the reference op). Same output, same
+    amount of torch's RNG consumed (later layers' masks stay aligned), and the bias gets its
+    gradient."""
+    if where == "simulated_h100":
+        request.getfixturevalue("h100")
+    q, k, v = _inputs((2, 2, 9, 8), (2, 2, 9, 8), (2, 2, 9, 8))
+    table = torch.randn(1, 2, 9, 9, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+    def attention(q, k, v):
+        bias = table * 0.5  # requires grad only when grad mode is on
+        return efficient_attention(q, k, v, attn_mask=bias, dropout_p=0.3)
+
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        first = attention(q, k, v)
+    after_first = torch.get_rng_state()
+    torch.set_rng_state(state)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    second = attention(*leaves)
+    assert torch.equal(torch.get_rng_state(), after_first)
+    assert torch.equal(first, second.detach())
+    second.sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+    assert not torch.equal(first, efficient_attention(q, k, v, attn_mask=table.detach() * 0.5, dropout_p=0.3,
+                                                      training=False))
 
 
 def test_varlen_attention_replays_its_mask():

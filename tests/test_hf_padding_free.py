@@ -153,3 +153,40 @@ def test_hf_trainer_padding_free_example_trains(tmp_path, capsys):
     assert example.main(argv) == 0
     out = capsys.readouterr().out
     assert "padded        train_samples_per_second=" in out and "padding-free  train_samples_per_second=" in out
+
+
+def test_packing_is_read_once_per_tensor_not_per_layer():
+    """The boundaries come from one host read per position_ids tensor (or per cu_seq_lens_q/k
+    pair, which is also where the two are checked equal and ending at the row length); every
+    layer of the forward gets the same tensors and reads nothing; the offsets are recorded with
+    the attention ops, which then read nothing either (issue 28)."""
+    from test_host_reads import HostReadCounter
+
+    from tempo.integrations.hf_attention import _packing_mask, packed_sequences
+    from tempo.ops.attention import sequence_facts
+
+    def reads(fn):
+        counter = HostReadCounter()
+        with counter.installed(), counter.counting():
+            result = fn()
+        return counter.total, result
+
+    q = torch.zeros(1, 2, 6, 8)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    n, (cu, max_len) = reads(lambda: packed_sequences(q, q, {"position_ids": positions}))
+    assert n == 1 and cu.tolist() == [0, 3, 5, 6] and max_len == 3
+    assert reads(lambda: [packed_sequences(q, q, {"position_ids": positions}) for _ in range(3)])[0] == 0
+    n, facts = reads(lambda: sequence_facts(cu))
+    assert n == 0 and (facts.min_seqlen, facts.max_seqlen) == (1, 3)
+    assert reads(lambda: _packing_mask(cu, 6, 1, q.device))[0] == 0
+    assert _packing_mask(cu, 6, 1, q.device) is _packing_mask(cu, 6, 1, q.device)  # made once per cu
+
+    kwargs = {"cu_seq_lens_q": torch.tensor([0, 2, 6], dtype=torch.int32),
+              "cu_seq_lens_k": torch.tensor([0, 2, 6], dtype=torch.int32), "max_length_q": 4}
+    n, (cu, max_len) = reads(lambda: packed_sequences(q, q, kwargs))
+    assert n == 1 and cu.tolist() == [0, 2, 6] and max_len == 4
+    assert reads(lambda: [packed_sequences(q, q, kwargs) for _ in range(3)])[0] == 0
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+        packed_sequences(q, q, {**kwargs, "cu_seq_lens_k": torch.tensor([0, 3, 6], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="ends at 5"):
+        packed_sequences(q, q, {"cu_seq_lens_q": torch.tensor([0, 2, 5])})

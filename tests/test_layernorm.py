@@ -680,3 +680,192 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan per parameter version (issue 28): no host read while γ and β are unchanged
+# ---------------------------------------------------------------------------------------------
+def _plan_reads(fn):
+    """Host reads Tempo's code makes while ``fn`` runs (see test_host_reads.py)."""
+    from test_host_reads import HostReadCounter
+
+    counter = HostReadCounter()
+    with counter.installed(), counter.counting():
+        fn()
+    return counter.total
+
+
+def _triton_or_skip():
+    blocked = triton_blocker("cpu")
+    if blocked is not None:
+        pytest.skip(blocked[1])
+
+
+def test_plan_is_made_once_per_parameter_version():
+    """Triton path: the first forward makes the plan (one read), later forwards, backwards and the
+    recomputation under activation checkpointing read nothing; an in-place update reads once."""
+    _triton_or_skip()
+    module = InplaceLayerNorm(16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with use_backend("triton"):
+        assert _plan_reads(lambda: module(x).sum().backward()) == 1
+        assert _plan_reads(lambda: module(x).sum().backward()) == 0
+        checkpointed = lambda: torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False).sum().backward()  # noqa: E731
+        assert _plan_reads(checkpointed) == 0
+        with torch.no_grad():
+            module.weight.mul_(1.5)
+        assert _plan_reads(lambda: module(x).sum().backward()) == 1
+        assert _plan_reads(lambda: module(x).sum().backward()) == 0
+
+
+def test_plans_of_every_layer_refresh_in_one_read():
+    """After an optimizer step every LayerNorm's plan is stale: the first forward refreshes all of
+    them in one transfer, whatever the number of layers."""
+    _triton_or_skip()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), InplaceLayerNorm(8)) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(3, 8)
+
+    def step():
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with use_backend("triton"):
+        assert _plan_reads(step) == 4  # the first forward: each layer's plan made as it is reached
+        assert _plan_reads(step) == 1
+        assert _plan_reads(step) == 1
+
+
+def _unrecoverable_after(idiom, module):
+    """Apply ``idiom`` to ``module`` (γ = 1, β_3 = 0.5) so that γ_3 becomes ~0: column 3 kept."""
+    from tempo.train.optim import Lamb
+
+    n = module.weight.numel()
+    if idiom in ("adamw_foreach", "adamw_fused", "adamw_single", "lamb"):
+        kwargs = dict(lr=1.0, weight_decay=0.0)
+        opt = {"adamw_foreach": lambda p: torch.optim.AdamW(p, foreach=True, **kwargs),
+               "adamw_fused": lambda p: torch.optim.AdamW(p, fused=True, **kwargs),
+               "adamw_single": lambda p: torch.optim.AdamW(p, foreach=False, **kwargs),
+               "lamb": lambda p: Lamb(p, **kwargs)}[idiom](module.parameters())
+        module.weight.grad = torch.zeros(n)
+        module.weight.grad[3] = 1.0  # the first Adam step moves γ_3 by lr · g/|g|: to ~0
+        module.bias.grad = torch.zeros(n)
+        opt.step()
+    elif idiom == "handwritten_optimizer":  # an old-style optimizer writing through .data
+        class DataSGD(torch.optim.Optimizer):
+            def __init__(self, params):
+                super().__init__(params, {})
+
+            def step(self, closure=None):
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.data.add_(p.grad, alpha=-1.0)
+
+        module.weight.grad = torch.zeros(n)
+        module.weight.grad[3] = 1.0
+        DataSGD(module.parameters()).step()
+    elif idiom == "load_state_dict":
+        state = {k: v.clone() for k, v in module.state_dict().items()}
+        state["weight"][3] = 0.0
+        module.load_state_dict(state)
+    elif idiom == "nn_init":
+        nn.init.constant_(module.weight, 0.25)  # every |γ_j| >= |β_j| but column 3's: 0.25 < 0.5
+    elif idiom == "no_grad_copy":
+        with torch.no_grad():
+            module.weight.copy_(torch.ones(n).index_fill_(0, torch.tensor([3]), 0.0))
+    elif idiom == "no_grad_view_write":
+        with torch.no_grad():
+            module.weight.view(2, n // 2)[0, 3] = 0.0
+    elif idiom == "data_assignment":  # as module.to() / module.half() do it
+        module.weight.data = torch.ones(n).index_fill_(0, torch.tensor([3]), 0.0)
+    elif idiom == "data_write":
+        module.weight.data[3] = 0.0
+    else:
+        raise AssertionError(idiom)
+
+
+UPDATE_IDIOMS = ["adamw_foreach", "adamw_fused", "adamw_single", "lamb", "handwritten_optimizer", "load_state_dict",
+                 "nn_init", "no_grad_copy", "no_grad_view_write", "data_assignment", "data_write"]
+
+
+@pytest.mark.parametrize("idiom", UPDATE_IDIOMS)
+def test_plan_follows_every_update_idiom_but_writes_through_data(idiom):
+    """Each way of updating γ invalidates the cached plan, except an in-place write through
+    ``.data`` outside an optimizer step (its own version counter): that one is documented, and
+    forget_kept_column_plans() recovers from it. (AdamW(fused=True) and the hand-written optimizer
+    leave the version counter as it was: torch's optimizer post-step hook is what sees them.)"""
+    from tempo.ops.layernorm import cached_kept_columns, forget_kept_column_plans
+
+    module = InplaceLayerNorm(8)
+    with torch.no_grad():
+        module.bias[3] = 0.5
+
+    def cached():
+        return cached_kept_columns(module.weight, module.bias, torch.float32, 8, torch.device("cpu"), "ln").tolist()
+
+    assert cached() == []
+    _unrecoverable_after(idiom, module)
+    fresh = plan_kept_columns(module.weight, module.bias, torch.float32, 8, "cpu", "ln").tolist()
+    assert fresh == [3], (idiom, module.weight)
+    if idiom == "data_write":
+        assert cached() == []  # the documented hole: the plan of the old values
+        forget_kept_column_plans()
+    assert cached() == [3]
+
+
+def test_a_non_finite_update_raises_in_the_updated_layer_only():
+    """A refresh triggered by one layer makes every stale plan; an error found for another
+    layer is raised by that layer's forward, naming it."""
+    _triton_or_skip()
+    model = nn.Sequential(InplaceLayerNorm(4), InplaceLayerNorm(4))
+    name_layernorms(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    with use_backend("triton"):
+        model(x).sum().backward()
+        with torch.no_grad():
+            model[0].weight.mul_(2.0)
+            model[1].weight[1] = float("nan")
+        model[0](x).sum().backward()  # refreshes both plans; the first layer is fine
+        with pytest.raises(ValueError, match=r"^1: weight \(γ\) holds a non-finite value \(nan\) at column 1"):
+            model[1](x)
+
+
+@pytest.mark.parametrize("where", ["weight", "bias"])
+def test_parameters_on_another_device_raise_naming_the_layer(where):
+    """γ/β on another device than the input: a ValueError naming the layer, before any kernel
+    (on CUDA a kernel would read another device's memory). The meta device stands in for one."""
+    model = nn.Sequential(nn.Identity(), InplaceLayerNorm(4))
+    name_layernorms(model)
+    setattr(model[1], where, nn.Parameter(torch.ones(4, device="meta")))
+    with pytest.raises(ValueError, match=rf"^1: {where} \(.\) is on meta but the input is on cpu"):
+        model(torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(ValueError, match="^inplace_layernorm: "):
+        inplace_layernorm(torch.randn(2, 4), (4,), torch.ones(4, device="meta"))
+
+
+def test_compiled_forward_follows_parameter_updates():
+    """Under torch.compile the op's body runs eagerly with the cache: after an update that makes
+    a column unrecoverable, the compiled model's gradient is nn.LayerNorm's."""
+    _triton_or_skip()
+    torch._dynamo.reset()
+    module = InplaceLayerNorm(8)
+    stock = nn.LayerNorm(8)
+    x = torch.randn(3, 8)
+    grad = torch.randn(3, 8)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    try:
+        with use_backend("triton"):
+            for gamma_3 in (1.0, 1e-30):
+                with torch.no_grad():
+                    module.weight[3] = gamma_3
+                    module.bias[3] = 0.5
+                    stock.load_state_dict(module.state_dict())
+                xs = [x.clone().requires_grad_() for _ in range(2)]
+                compiled(xs[0]).backward(grad)
+                stock(xs[1]).backward(grad)
+                torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-4, atol=1e-5)
+    finally:
+        torch._dynamo.reset()

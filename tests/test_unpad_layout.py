@@ -54,3 +54,30 @@ def test_bad_masks_are_named(mask, message):
 def test_bad_cu_seqlens_are_named(cu, total, message):
     with pytest.raises(LayoutError, match=message):
         TokenLayout.from_cu_seqlens(cu, total)
+
+
+def test_one_host_read_per_batch_and_none_in_the_layers():
+    """from_mask reads the lengths once (no nonzero, no host-to-device copy of cu_seqlens); the
+    layout knows min_seqlen and max_seqlen and records its cu_seqlens with the attention ops, so
+    they never read it back (issue 28)."""
+    from test_host_reads import HostReadCounter
+
+    from tempo.ops.attention import sequence_facts
+
+    def reads(fn):
+        counter = HostReadCounter()
+        with counter.installed(), counter.counting():
+            result = fn()
+        return counter.total, result
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0]])
+    n, layout = reads(lambda: TokenLayout.from_mask(mask))
+    assert n == 1
+    assert (layout.min_seqlen, layout.max_seqlen) == (1, 5)
+    n, facts = reads(lambda: sequence_facts(layout.cu_seqlens))
+    assert n == 0 and facts.offsets == (0, 3, 6, 11, 12) and (facts.min_seqlen, facts.max_seqlen) == (1, 5)
+    full = TokenLayout.full(2, 3, "cpu")
+    assert (full.min_seqlen, full.max_seqlen) == (3, 3) and reads(lambda: sequence_facts(full.cu_seqlens))[0] == 0
+    n, packed = reads(lambda: TokenLayout.from_cu_seqlens(torch.tensor([0, 2, 7]), 7))
+    assert n == 1 and (packed.min_seqlen, packed.max_seqlen) == (2, 5)
+    assert reads(lambda: sequence_facts(packed.cu_seqlens))[0] == 0

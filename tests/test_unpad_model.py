@@ -15,6 +15,8 @@ from tempo.choices import TempoChoice
 from tempo.memory import ActivationLedger
 from tempo.unpad import LayoutError
 
+from test_attention_dispatch import EFFICIENT, h100  # noqa: F401  (fixture: the simulated H100)
+
 TINY = BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
                   attention_probs_dropout_prob=0.0)
@@ -149,3 +151,23 @@ def test_unpadded_with_activation_checkpointing_and_torch_compile(how):
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         if b.grad is not None:
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
+def test_efficient_attention_keeps_the_fused_kernels_with_dropout(h100, unpad):
+    """On the simulated H100 with dropout on: padded, the efficient attention gets a bool
+    key-padding mask (an additive float mask with dropout would run the reference op), so every
+    layer runs the fused efficient kernel; unpadded, nested sdpa with the layout's min/max lengths."""
+    import dataclasses
+
+    config = dataclasses.replace(TINY, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    lengths = LENGTHS["mixed"]
+    ids, types, mask = batch_of(lengths)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config, TempoChoice.floor(), unpad=unpad).train()
+    model(ids, types, mask, *pretraining_targets(lengths)).loss.backward()
+    calls = h100.calls
+    assert len(calls) == config.num_hidden_layers
+    for call in calls:
+        assert call["chosen"] == EFFICIENT and call["p"] == 0.1 and call["nested"] == unpad
+        assert (call["mask"] is None) if unpad else (call["mask"].dtype == torch.bool)

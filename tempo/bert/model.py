@@ -72,6 +72,14 @@ def additive_attention_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tenso
     return mask[:, None, None, :]
 
 
+def key_padding_mask(attention_mask: Tensor) -> Tensor:
+    """[B, L] 1=token/0=pad -> bool [B, 1, 1, L], True = attend; a sample with no tokens at all
+    attends every position, as ``additive_attention_mask`` makes it."""
+    keep = attention_mask.bool()
+    keep = keep | ~keep.any(dim=-1, keepdim=True)
+    return keep[:, None, None, :]
+
+
 # ---------------------------------------------------------------------------------------------
 # Embeddings
 # ---------------------------------------------------------------------------------------------
@@ -149,8 +157,10 @@ class BertSelfAttention(nn.Module):
         if self.attention_impl == "efficient":
             from tempo.ops.attention import efficient_attention_varlen  # lazy, as in the padded path
 
+            # The layout's host facts (max and min length): no host read in any layer.
             context = efficient_attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen,
-                                                 dropout_p=self.dropout_p, training=self.training)
+                                                 dropout_p=self.dropout_p, training=self.training,
+                                                 min_seqlen=layout.min_seqlen)
         elif self.attention_impl == "sdpa":
             # Stock variable-length attention: sdpa on nested jagged tensors (CUDA: the fused
             # flash/efficient kernels with cu_seqlens; CPU: the math path per sequence).
@@ -158,7 +168,10 @@ class BertSelfAttention(nn.Module):
             with warnings.catch_warnings():
                 # torch's CPU math path converts to its older nested layout, which warns "prototype".
                 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors", category=UserWarning)
-                nested = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets, max_seqlen=layout.max_seqlen)
+                # min_seqlen and max_seqlen from the layout: without them torch reads both back
+                # from the device (offsets.diff().min().item(), per tensor) inside sdpa.
+                nested = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets, min_seqlen=layout.min_seqlen,
+                                                                 max_seqlen=layout.max_seqlen)
                           .transpose(1, 2) for x in (q, k, v)]
                 context = F.scaled_dot_product_attention(*nested, dropout_p=p).transpose(1, 2).values()
         else:
@@ -258,8 +271,8 @@ class BertLayer(nn.Module):
         self.output = BertOutput(config, options)
 
     def forward(self, hidden: Tensor, mask: Optional[Tensor], layout: Optional[TokenLayout] = None) -> Tensor:
-        """[B, L, H] (mask: additive [B, 1, 1, L] or None), or the T real tokens [T, H] with their
-        layout: every part but attention works token by token."""
+        """[B, L, H] (mask: additive [B, 1, 1, L], bool for the efficient attention, or None), or the
+        T real tokens [T, H] with their layout: every part but attention works token by token."""
         attended = self.attention(hidden, mask, layout)
         return self.output(self.intermediate(attended), attended)
 
@@ -355,6 +368,11 @@ class BertModel(nn.Module):
             mask = None  # variable-length attention needs no mask
         elif self.options.attention in ("sdpa", "efficient") and bool(attention_mask.all()):
             mask = None  # no padding: no mask, so fused attention kernels can take the call (one host sync)
+        elif self.options.attention == "efficient":
+            # A bool key-padding mask: the same attention as the additive one (a real token's row
+            # has every finfo.min entry at exp(...) = 0 either way), and with dropout on the fused
+            # kernels take it (a float mask with dropout runs the reference op: tempo.ops.attention).
+            mask = key_padding_mask(attention_mask)
         else:
             mask = additive_attention_mask(attention_mask, _compute_dtype(hidden))
         hidden = self.encoder(hidden, mask, layout)

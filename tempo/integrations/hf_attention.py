@@ -327,52 +327,102 @@ def eager_attention_mask(module: nn.Module, query: Tensor, key: Tensor, attentio
     return torch.where(keep, torch.zeros((), dtype=dtype, device=keep.device), torch.finfo(dtype).min)
 
 
-_packed_cache: list = []  # [(weakref to the position tensor, its _version, the answer)]: the batch being run
+# The packing of the batch being run: (weak references to the tensors it was read from, their
+# (version, data pointer), the call's (batch, length, device), the answer). Every layer of a
+# forward gets the same position_ids / cu_seq_lens tensors, so one slot is enough: the host read
+# happens once per tensor, not per layer.
+_packed_cache: list = []
+_packing_mask_cache: list = []  # [(weak reference to cu, its state, tokens, batch, device, the mask)]
+
+
+def _tensor_state(t: Tensor) -> tuple[int, int]:
+    return t._version, t.data_ptr()
+
+
+def _packed_lookup(tensors: tuple[Tensor, ...], extra: tuple) -> tuple[bool, Any]:
+    if _packed_cache:
+        refs, states, cached_extra, answer = _packed_cache[0]
+        if (cached_extra == extra and len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors))
+                and states == tuple(_tensor_state(t) for t in tensors)):
+            return True, answer
+    return False, None
+
+
+def _packed_store(tensors: tuple[Tensor, ...], extra: tuple, answer: Any) -> None:
+    _packed_cache[:] = [(tuple(weakref.ref(t) for t in tensors), tuple(_tensor_state(t) for t in tensors), extra,
+                         answer)]
 
 
 def _cu_from_positions(position_ids: Tensor, batch: int) -> Optional[tuple[Tensor, int]]:
     """(cu_seqlens int32, max length) over the flattened [B·L] tokens: a sequence starts at each
     row start and wherever a position is not the previous one + 1. None when every row is one
-    sequence (nothing is packed). One host read per position tensor: every layer of a forward gets
-    the same tensor object, so the answer is cached for that object (and its version) only."""
-    if _packed_cache:
-        ref, version, answer = _packed_cache[0]
-        if ref() is position_ids and version == position_ids._version:
-            return answer
+    sequence (nothing is packed). One host read (the start flags) per position tensor: every layer
+    of a forward gets the same tensor object, so the answer is cached for that object (and its
+    version) only. The offsets are recorded with the attention ops (``remember_sequences``), so
+    the variable-length attention reads nothing more."""
+    hit, answer = _packed_lookup((position_ids,), ("positions", batch))
+    if hit:
+        return answer
     pos = position_ids.reshape(-1, position_ids.shape[-1]).long()
     if pos.shape[0] != batch:  # one row of positions shared by the batch
         pos = pos.expand(batch, pos.shape[1])
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     flat = starts.reshape(-1)
+    begins = flat.cpu().numpy().nonzero()[0]  # the one host read
     answer = None
-    if int(flat.count_nonzero()) != pos.shape[0]:
-        begin = flat.nonzero().reshape(-1)
-        cu = torch.cat([begin, begin.new_tensor([flat.numel()])]).to(torch.int32)
-        answer = (cu, int((cu[1:] - cu[:-1]).max()))
-    _packed_cache[:] = [(weakref.ref(position_ids), position_ids._version, answer)]
+    if len(begins) != pos.shape[0]:
+        from tempo.ops.attention import remember_sequences
+
+        # The same starts on the device, without another transfer: a stable sort puts the flagged
+        # positions first, in order; the row end is appended as a constant (no host-to-device copy).
+        begin = torch.sort(flat.to(torch.uint8), stable=True, descending=True).indices[:len(begins)]
+        cu = torch.nn.functional.pad(begin, (0, 1), value=flat.numel()).to(torch.int32)
+        facts = remember_sequences(cu, [int(b) for b in begins] + [flat.numel()])
+        answer = (cu, facts.max_seqlen)
+    _packed_store((position_ids,), ("positions", batch), answer)
+    return answer
+
+
+def _cu_from_kwargs(cu_q: Tensor, cu_k: Optional[Tensor], batch: int, q_len: int,
+                    device: torch.device) -> tuple[Tensor, int]:
+    """(cu_seqlens int32 on ``device``, max length) from transformers' cu_seq_lens_q/k, checked
+    (equal, one packed row ending at its length) with one host read per pair of tensors."""
+    tensors = (cu_q,) if cu_k is None else (cu_q, cu_k)
+    extra = ("cu", batch, q_len, device)
+    hit, answer = _packed_lookup(tensors, extra)
+    if hit:
+        return answer
+    flat_q = cu_q.reshape(-1)
+    both = flat_q if cu_k is None else torch.cat([flat_q, cu_k.reshape(-1).to(flat_q.device, flat_q.dtype)])
+    host = [int(o) for o in both.tolist()]  # the one host read
+    offsets, offsets_k = host[:flat_q.numel()], host[flat_q.numel():]
+    if cu_k is not None and offsets_k != offsets:
+        raise ValueError("tempo attention: cu_seq_lens_q and cu_seq_lens_k differ; packed cross-attention "
+                         "is not supported")
+    if batch != 1 or offsets[-1] != q_len:
+        raise ValueError(f"tempo attention: cu_seq_lens_q ends at {offsets[-1]} but the packed row has "
+                         f"{q_len} tokens in a batch of {batch} (DataCollatorWithFlattening packs one row)")
+    from tempo.ops.attention import remember_sequences
+
+    cu = cu_q.to(device=device, dtype=torch.int32)
+    facts = remember_sequences(cu, offsets)
+    answer = (cu, facts.max_seqlen)
+    _packed_store(tensors, extra, answer)
     return answer
 
 
 def packed_sequences(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Optional[tuple[Tensor, int]]:
     """(cu_seqlens, max_seqlen) when the call's tokens are several sequences packed back to back
     (see the module docstring), else None. Only for self-attention over the whole packed row
-    (q_len == k_len; a cached decode step is never packed)."""
+    (q_len == k_len; a cached decode step is never packed). One host read per position_ids or
+    cu_seq_lens tensor (a forward), none per layer."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     if q_len != k_len or q_len <= 1:
         return None
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
-        cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and not torch.equal(cu_k.to(cu.device), cu):
-            raise ValueError("tempo attention: cu_seq_lens_q and cu_seq_lens_k differ; packed cross-attention "
-                             "is not supported")
-        if query.shape[0] != 1 or int(cu[-1]) != q_len:
-            raise ValueError(f"tempo attention: cu_seq_lens_q ends at {int(cu[-1])} but the packed row has "
-                             f"{q_len} tokens in a batch of {query.shape[0]} (DataCollatorWithFlattening packs one row)")
-        cu = cu.to(device=query.device, dtype=torch.int32)
-        max_len = kwargs.get("max_length_q")
-        return cu, int(max_len) if max_len is not None else int((cu[1:] - cu[:-1]).max())
+        return _cu_from_kwargs(cu, kwargs.get("cu_seq_lens_k"), query.shape[0], q_len, query.device)
     position_ids = kwargs.get("position_ids")
     if not isinstance(position_ids, Tensor) or position_ids.shape[-1] != q_len:
         return None
@@ -381,15 +431,29 @@ def packed_sequences(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Opti
     found = _cu_from_positions(position_ids, query.shape[0])
     if found is None:
         return None
-    return found[0].to(query.device), found[1]
+    if found[0].device != query.device:
+        from tempo.ops.attention import remember_sequences, sequence_facts
+
+        moved = found[0].to(query.device)
+        remember_sequences(moved, sequence_facts(found[0]).offsets)
+        return moved, found[1]
+    return found
 
 
 def _packing_mask(cu: Tensor, tokens: int, batch: int, device: torch.device) -> Tensor:
-    """Bool [B, 1, L, L]: True where query and key are in the same packed sequence."""
+    """Bool [B, 1, L, L]: True where query and key are in the same packed sequence. Computed on
+    the device (no host read), once per cu_seqlens tensor: every layer gets the same one."""
+    if _packing_mask_cache:
+        ref, state, cached_tokens, cached_batch, cached_device, mask = _packing_mask_cache[0]
+        if (ref() is cu and state == _tensor_state(cu) and (cached_tokens, cached_batch, cached_device)
+                == (tokens, batch, device)):
+            return mask
     seq = torch.zeros(batch * tokens, dtype=torch.int64, device=device)
     seq[cu[1:-1].long()] = 1
     seq = seq.cumsum(0).reshape(batch, tokens)
-    return (seq[:, :, None] == seq[:, None, :]).unsqueeze(1)
+    mask = (seq[:, :, None] == seq[:, None, :]).unsqueeze(1)
+    _packing_mask_cache[:] = [(weakref.ref(cu), _tensor_state(cu), tokens, batch, device, mask)]
+    return mask
 
 
 def _with_packing(mask: Optional[Tensor], same: Tensor) -> Tensor:

@@ -76,17 +76,34 @@ the device and the switches, so eager and torch.compile take the same path)
     caller's switches and exact priority order are restored after the call (sdpa_kernel alone
     moves disabled backends behind ours). torch installs its default priority lazily, at the
     first sdpa selection of the process; that is made to happen before our first block.
-  * A float ``attn_mask`` that requires grad runs the reference op (the fused efficient kernel's
-    mask gradient hits illegal memory on torch 2.11, pytorch issue 148476); so does every call
-    no offered kernel takes (fp64, head dims the kernels refuse, a head dim with stride != 1,
-    all fused backends switched off): logged once per case (logger "tempo"; under torch.compile
-    when the call is traced).
+  * A float (additive) ``attn_mask`` runs the reference op whenever dropout is on or the mask
+    requires grad; a bool mask never does. One rule for both passes of a replay: whether the
+    reference op or a fused kernel draws the dropout mask may not depend on ``requires_grad``,
+    which a learned bias has in the pass with grad and lacks in a no-grad pass of the same
+    forward (GradCache / CachedMNRL, reentrant checkpointing): the two passes would draw different
+    masks and consume torch's RNG differently, shifting every later layer's mask. A mask that
+    requires grad needs its gradient, which only the reference op gives (the fused efficient
+    kernel's mask gradient hits illegal memory on torch 2.11, pytorch issue 148476). With dropout
+    off neither path draws anything and they agree to rounding, so a float mask without grad keeps
+    the fused kernel. Key-padding masks should be bool (our BERT passes one; transformers' sdpa
+    mask function makes one): they keep the fused kernels with dropout on. Every call no offered
+    kernel takes (fp64, head dims the kernels refuse, a head dim with stride != 1, all fused
+    backends switched off) runs the reference op too: logged once per case (logger "tempo"; under
+    torch.compile when the call is traced).
   * The acceptance rules are torch's own, narrowed where unsure (cuDNN head dims <= 128). A call
     they accept that torch still refuses fails in sdpa ("No available kernel") in eager and
     compiled code alike. Under torch.compile the switches and device facts are read when the
     call is traced, as torch's own sdpa lowering does.
   * On flash and efficient the output is stored as (b, s_q, h, d_v) (see "Semantics"); on cuDNN
     and math the layout is theirs.
+  * Variable-length (nested jagged) inputs, ``efficient_attention_varlen``: the same offer narrowed
+    to what torch's nested sdpa takes (flash only for equal head dims that are a multiple of 8,
+    neither kernel when a sequence is empty, never cuDNN or math), the nested tensors given
+    ``min_seqlen`` and ``max_seqlen`` so that torch reads neither back from the device (it read
+    ``offsets.diff().min().item()`` for q, k and v: three stalls per layer, and a graph break).
+    Host reads of this module on CUDA: none per call with those two known (``TokenLayout`` and the
+    HF packing path record them with ``remember_sequences``); the reference op's seed
+    (``seed.item()``) and offsets only on its fallback path.
 
 Semantics (those of ``torch.nn.functional.scaled_dot_product_attention``)
   * ``q`` (b, h, s_q, d), ``k`` (b, h, s_k, d), ``v`` (b, h, s_k, d_v); same dtype and device.
@@ -121,8 +138,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import warnings
-from typing import NamedTuple, Optional
+import weakref
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -734,10 +753,11 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
             return out
     elif _is_cuda(q) and requested_backend() != "reference":
         st = _cuda_state(str(q.device))
-        if attn_mask is not None and attn_mask.requires_grad:
-            _log_fallback_once("a float attn_mask that requires grad gets its gradient from the reference "
-                               "op (the fused efficient kernel's mask gradient is broken on torch 2.11: "
-                               "pytorch issue 148476)")
+        if _float_mask_takes_reference(attn_mask, p):
+            _log_fallback_once("a float attn_mask with dropout on, or one that requires grad, runs the reference op "
+                               "(one rule for every pass: a no-grad replay sees the same learned bias without "
+                               "requires_grad and must draw the same dropout mask; the fused efficient kernel's "
+                               "mask gradient is broken on torch 2.11: pytorch issue 148476)")
         else:
             backends = _fused_backends(q, k, v, attn_mask, p, is_causal, True, st)
             if backends:
@@ -751,6 +771,16 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     seed = _resolve_seed(seed, p, q.device)
     out, _ = _attention_fwd_op(q, k, v, attn_mask, seed, p, is_causal, scale)
     return out
+
+
+def _float_mask_takes_reference(mask: Optional[Tensor], p: float) -> bool:
+    """A float (additive) mask runs the reference op whenever dropout is on or it requires grad
+    (module docstring, "CUDA dispatch"). With dropout the choice must not depend on requires_grad:
+    a learned bias computed under ``no_grad`` (GradCache's first pass, reentrant checkpointing) does
+    not require grad, and the replay with grad would draw its dropout mask from another op. With
+    dropout off nothing is drawn and the two paths agree to rounding, so a bias that needs no
+    gradient keeps the fused kernel."""
+    return mask is not None and mask.dtype != torch.bool and (p > 0.0 or mask.requires_grad)
 
 
 def _stock_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_causal: bool,
@@ -789,9 +819,76 @@ def _sequence_seed(seed: int, index: int) -> int:
     return _tile_seed(seed ^ 0x5EED5EED5EED5EED, index, 1 << 20) & ((1 << 63) - 1)
 
 
+class SequenceFacts(NamedTuple):
+    """What the host knows of a ``cu_seqlens`` tensor: its offsets and the shortest and longest
+    sequence (the nested tensors' ``min_seqlen``/``max_seqlen``; flash and efficient refuse an
+    empty sequence)."""
+
+    offsets: tuple[int, ...]
+    min_seqlen: int
+    max_seqlen: int
+
+    @classmethod
+    def of(cls, offsets: Sequence[int]) -> "SequenceFacts":
+        offsets = tuple(int(o) for o in offsets)
+        lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        return cls(offsets, min(lengths, default=0), max(lengths, default=0))
+
+
+# Per cu_seqlens tensor object: (weak reference, (version, data pointer) it was read at, facts, the
+# int64 offsets the nested tensors take). Few live at once (a batch's), so a small dict.
+_sequence_facts: dict[int, tuple] = {}
+_facts_lock = threading.Lock()
+
+
+def _facts_state(cu_seqlens: Tensor) -> tuple[int, int]:
+    return cu_seqlens._version, cu_seqlens.data_ptr()
+
+
+def remember_sequences(cu_seqlens: Tensor, offsets: Sequence[int]) -> SequenceFacts:
+    """Record that ``cu_seqlens`` holds ``offsets`` (host ints its maker already has, e.g.
+    ``TokenLayout``), so the attention ops never read it back from the device. Returns the facts."""
+    facts = SequenceFacts.of(offsets)
+    with _facts_lock:
+        for key, entry in list(_sequence_facts.items()):
+            if entry[0]() is None:
+                del _sequence_facts[key]
+        _sequence_facts[id(cu_seqlens)] = (weakref.ref(cu_seqlens), _facts_state(cu_seqlens), facts, {})
+    return facts
+
+
+def _cached_facts(cu_seqlens: Tensor) -> Optional[tuple]:
+    with _facts_lock:
+        entry = _sequence_facts.get(id(cu_seqlens))
+    if entry is not None and entry[0]() is cu_seqlens and entry[1] == _facts_state(cu_seqlens):
+        return entry
+    return None
+
+
+def sequence_facts(cu_seqlens: Tensor) -> SequenceFacts:
+    """The offsets, shortest and longest sequence of ``cu_seqlens``: remembered (no host read), or
+    read once for this tensor object and version (one host read) and remembered."""
+    entry = _cached_facts(cu_seqlens)
+    if entry is not None:
+        return entry[2]
+    return remember_sequences(cu_seqlens, cu_seqlens.tolist())
+
+
+def _nested_offsets(cu_seqlens: Tensor) -> Tensor:
+    """cu_seqlens as the int64 offsets nested tensors take, made once per cu_seqlens object (every
+    layer of a forward gets the same tensor: one conversion, and one ragged size for all of them)."""
+    entry = _cached_facts(cu_seqlens)
+    if entry is None:
+        return cu_seqlens.to(torch.int64)
+    made = entry[3]
+    if "offsets" not in made:
+        made["offsets"] = cu_seqlens.to(torch.int64)
+    return made["offsets"]
+
+
 def _bounds(cu_seqlens: Tensor) -> list[tuple[int, int, int]]:
-    """(index, start, end) of each non-empty sequence; one host read (reference path only)."""
-    offsets = [int(o) for o in cu_seqlens.tolist()]
+    """(index, start, end) of each non-empty sequence (host offsets: ``sequence_facts``)."""
+    offsets = sequence_facts(cu_seqlens).offsets
     return [(i, a, b) for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])) if b > a]
 
 
@@ -896,7 +993,8 @@ def _check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
 
 def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                                dropout_p: float = 0.0, training: bool = True, scale: Optional[float] = None,
-                               is_causal: bool = False, *, seed: Optional[Tensor] = None) -> Tensor:
+                               is_causal: bool = False, *, seed: Optional[Tensor] = None,
+                               min_seqlen: Optional[int] = None) -> Tensor:
     """Attention over packed sequences: ``q``, ``k``, ``v`` are [T, heads, head_dim] holding B
     sequences back to back (sequence b is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``, the layout of
     ``tempo.unpad.TokenLayout``); each token attends the tokens of its own sequence only, with no
@@ -909,17 +1007,34 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     with dropout off). Dropout draws one independent stream per sequence from ``seed`` (the keep
     masks differ from the padded op's, as every dropout layer's do once tokens move).
 
+    Host reads: ``max_seqlen`` and ``min_seqlen`` (the longest and shortest sequence) are what the
+    CUDA kernels need on the host besides the device offsets; given both (``TokenLayout`` has
+    them), the CUDA path reads nothing from the device. ``min_seqlen`` None: taken from
+    ``remember_sequences`` (``TokenLayout`` and the HF packing path record every cu_seqlens they
+    make), else read once per cu_seqlens tensor and version (``sequence_facts``), not per layer.
+    Under ``torch.compile(fullgraph=True)`` pass ``min_seqlen``: the cache lookup is not traced.
+
     Paths: without a backward (eval, no_grad, frozen) and without dropout (with dropout the
-    backward's path runs, so a replayed forward draws the same mask) the stock sdpa runs on each sequence (CPU)
-    or on nested jagged tensors (CUDA) and keeps nothing. CUDA with a backward: stock sdpa on
-    nested jagged tensors, which runs the flash or efficient kernel with cu_seqlens (never cuDNN,
-    which nested tensors do not take; never math: it would keep L_b² scores), offered and
-    intersected with the user's switches as in ``efficient_attention``; a call neither takes runs
-    the reference op (logged once). Reference (CPU, backend "reference"): a custom op that runs
-    ``efficient_attention``'s tiled forward and backward on each sequence (one host read of
-    ``cu_seqlens`` per call).
+    backward's path runs, so a replayed forward draws the same mask) the stock sdpa runs on each
+    sequence (CPU) or on nested jagged tensors (CUDA) and keeps nothing. CUDA with a backward:
+    stock sdpa on nested jagged tensors, which runs the flash or efficient kernel with cu_seqlens,
+    offered and intersected with the user's switches as in ``efficient_attention``. Nested
+    tensors narrow the offer: flash only when q, k, v share a head dim that is a multiple of 8
+    (torch pads it for dense inputs only, and refuses such nested inputs), neither kernel when a
+    sequence is empty (torch refuses min_seqlen 0), never cuDNN, never math (it would keep L_b²
+    scores, and torch's nested math splits per sequence with a host read each and refuses
+    causal). What no fused kernel takes runs the reference op with a backward (logged once) and
+    the stock dense sdpa on each sequence without one (causal included). Reference (CPU, backend
+    "reference"): a custom op that runs ``efficient_attention``'s tiled forward and backward on each
+    sequence (its offsets from ``sequence_facts``).
     """
     _check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, is_causal)
+    if min_seqlen is not None:
+        if isinstance(min_seqlen, bool) or not isinstance(min_seqlen, int):
+            raise TypeError(f"{_VAR_OP}: argument 'min_seqlen' must be None or an int, got {min_seqlen!r}")
+        if not 0 <= min_seqlen <= max_seqlen:
+            raise ValueError(f"{_VAR_OP}: argument 'min_seqlen' must be in [0, max_seqlen = {max_seqlen}], "
+                             f"got {min_seqlen}")
     p = check_probability(dropout_p, "dropout_p", _VAR_OP)
     if not training:
         p = 0.0
@@ -934,31 +1049,62 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
 
     if _is_cuda(q) and not seeded and (not grad or requested_backend() != "reference"):
         st = _cuda_state(str(q.device))
-        proxy = [x.unsqueeze(0).transpose(1, 2) for x in (q, k, v)]  # [1, H, T, D]: what the kernels see
-        backends = [b for b in _fused_backends(*proxy, None, p, is_causal, grad, st)
-                    if b.name != "CUDNN_ATTENTION"]  # nested tensors take flash and efficient only
-        if not grad and st.math:
-            from torch.nn.attention import SDPBackend
-            backends.append(SDPBackend.MATH)
+        if min_seqlen is None:
+            min_seqlen = sequence_facts(cu_seqlens).min_seqlen
+        backends = _nested_backends(q, k, v, p, is_causal, grad, min_seqlen, st)
         if backends:
-            offsets = cu_seqlens.to(torch.int64)
-            nested = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets, max_seqlen=max_seqlen)
-                      .transpose(1, 2) for x in (q, k, v)]
+            offsets = _nested_offsets(cu_seqlens) if not torch.compiler.is_compiling() else cu_seqlens.to(torch.int64)
+            nested = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets, min_seqlen=min_seqlen,
+                                                             max_seqlen=max_seqlen).transpose(1, 2)
+                      for x in (q, k, v)]
             out = _sdpa(*nested, None, p, is_causal, scale, backends)
             return out.transpose(1, 2).values()
-        _log_fallback_once(_no_fused_reason(proxy[0], proxy[2], None, p, is_causal, st) + " (variable length)")
+        if grad:
+            _log_fallback_once(_no_fused_reason(*_dense_proxies(q, k, v)[::2], None, p, is_causal, st)
+                               + f" (variable length, shortest sequence {min_seqlen})")
+        else:
+            out = _stock_per_sequence(q, k, v, cu_seqlens, is_causal, scale)
+            if out is not None:
+                return out
     elif not grad and not seeded:
-        with torch.autocast(q.device.type, enabled=False):
-            out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
-            for _, a, b in _bounds(cu_seqlens):
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    _as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b), dropout_p=p,
-                    is_causal=is_causal, scale=scale)
-                out[a:b] = o[0].transpose(0, 1)
-            return out
+        return _stock_per_sequence(q, k, v, cu_seqlens, is_causal, scale)
 
     seed = _resolve_seed(seed, p, q.device)
     out, _ = _varlen_fwd_op(q, k, v, cu_seqlens, seed, p, is_causal, scale)
+    return out
+
+
+def _dense_proxies(q: Tensor, k: Tensor, v: Tensor) -> list[Tensor]:
+    """[T, H, D] -> [1, H, T, D] views: what the kernels see, for the dense acceptance rules."""
+    return [x.unsqueeze(0).transpose(1, 2) for x in (q, k, v)]
+
+
+def _nested_backends(q: Tensor, k: Tensor, v: Tensor, p: float, is_causal: bool, grad: bool, min_seqlen: int,
+                     st: _CudaState) -> list:
+    """The fused backends to offer for nested jagged q, k, v ([T, H, D] values): the dense offer
+    narrowed to what torch's nested sdpa takes (see ``efficient_attention_varlen``)."""
+    from torch.nn.attention import SDPBackend
+
+    if min_seqlen == 0:
+        return []  # torch/nested/_internal/sdpa.py: _check_for_seq_len_0_nested refuses flash and efficient
+    d = q.shape[-1]
+    flash_ok = d == k.shape[-1] == v.shape[-1] and d % 8 == 0  # _check_head_dim_size_flash_nested
+    return [b for b in _fused_backends(*_dense_proxies(q, k, v), None, p, is_causal, grad, st)
+            if b == SDPBackend.EFFICIENT_ATTENTION or (b == SDPBackend.FLASH_ATTENTION and flash_ok)]
+
+
+def _stock_per_sequence(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, is_causal: bool,
+                        scale: float) -> Optional[Tensor]:
+    """No backward, no dropout: the stock dense sdpa on each sequence (on CUDA with the backends
+    ``_stock_attention`` offers, math included); the offsets from ``sequence_facts``. None when
+    no sdpa backend may run (CUDA, every one switched off: the caller runs the reference op)."""
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+    for _, a, b in _bounds(cu_seqlens):
+        o = _stock_attention(_as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b), None, 0.0,
+                             is_causal, scale)
+        if o is None:
+            return None
+        out[a:b] = o[0].transpose(0, 1)
     return out
 
 
@@ -977,5 +1123,5 @@ class EfficientAttention(nn.Module):
         return f"dropout_p={self.dropout_p}"
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "FUSED_MASK_FLOOR", "EfficientAttention", "attention_keep_mask", "draw_seed",
-           "efficient_attention", "efficient_attention_varlen"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "FUSED_MASK_FLOOR", "EfficientAttention", "SequenceFacts", "attention_keep_mask",
+           "draw_seed", "efficient_attention", "efficient_attention_varlen", "remember_sequences", "sequence_facts"]

@@ -11,7 +11,10 @@ storage is shared, one fp32 rstd per row and a 0-d int64 seed (plus the γ/β pa
     same rule (``tempo.ops.layernorm``'s docstring): x̂_j = (y_j − β_j)/γ_j where that recovery is
     well conditioned (|γ_j| >= |β_j| + λ_D, error (u_D + 3u_c)·(|x̂_j| + 1)), and x̂_j kept by the
     forward ([rows, K] in fp32 plus K indices) for the other columns; no clamp. Non-finite γ or β
-    raise in the forward naming the layer;
+    raise in the forward naming the layer, as do γ or β on another device than x. Which columns
+    are kept is planned as InplaceLayerNorm plans it: once per version of γ and β on the Triton /
+    CUDA path, with no host read in a forward whose parameters are unchanged (its docstring,
+    "The plan", including the one write it does not see: ``.data`` outside an optimizer step);
   * d(residual) = d(sum);  d(x) = d(sum) · keep / (1 − p), the keep mask regenerated from the seed.
 
 Semantics
@@ -75,10 +78,11 @@ from tempo.ops.layernorm import (
     LayerNormParameters,
     _as_shape,
     _kept_args,
+    check_parameter_devices,
+    kept_columns,
     kept_fake,
     normalize_rows_backward_reference,
     normalize_rows_reference,
-    plan_kept_columns,
     recovery_inverse,
 )
 
@@ -414,7 +418,9 @@ def dropout_add_layernorm_fwd(x: Tensor, residual: Tensor, normalized_shape: lis
     n = math.prod(normalized_shape)
     _check_op_backend(backend, n, "tempo::dropout_add_layernorm_fwd")
     dropout = training and p > 0.0
-    kept_cols = plan_kept_columns(_flat(weight, n), _flat(bias, n), out_dtype, n, x.device, name)
+    # γ and β as the op got them (the Parameters themselves, usually): the plan cache knows them by
+    # identity, and a view made here, below autograd, would not be tracked as one.
+    kept_cols = kept_columns(weight, bias, out_dtype, n, x.device, name, backend)
     with torch.autocast(x.device.type, enabled=False):
         if backend == "triton" and x.numel() > 0:
             y, rstd, kept_xhat = _fwd_triton(x, residual, n, weight, bias, seed, eps, p, dropout, out_dtype,
@@ -551,8 +557,7 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
             if tuple(param.shape) != shape:
                 raise ValueError(f"{OP_NAME}: argument '{arg}' of shape {tuple(param.shape)} must have "
                                  f"the normalized_shape {shape}")
-            if param.device != x.device:
-                raise ValueError(f"{OP_NAME}: argument '{arg}' is on {param.device}, argument 'x' on {x.device}")
+    check_parameter_devices(x, weight, bias, name or OP_NAME)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ValueError(f"{OP_NAME}: argument 'eps' must be a non-negative float, got {eps!r}")
     p = check_probability(p, "p", OP_NAME)

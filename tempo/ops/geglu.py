@@ -81,6 +81,10 @@ def geglu_linear(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None, appro
                          f"got {tuple(h.shape)}")
     if weight.dim() != 2 or weight.shape[1] != h.shape[-1] // 2:
         raise ValueError(f"{_OP}: argument 'weight' must be [out, {h.shape[-1] // 2}], got {tuple(weight.shape)}")
+    for arg, param in (("weight", weight), ("bias", bias)):
+        if param is not None and param.device != h.device:
+            raise ValueError(f"{_OP}: argument '{arg}' (the output projection's) is on {param.device} but the "
+                             f"input 'h' is on {h.device}; move the layer to the input's device")
     if not needs_backward(h, weight, bias):
         return F.linear(_product(h, approximate)[3], weight, bias)
     return _GegluLinear.apply(h, weight, bias, approximate)

@@ -25,9 +25,8 @@ is **recovered** only when κ_j <= 1, i.e. |γ_j| >= |β_j| + λ_D, and then
 other column is **kept**: the forward stores x̂_j of those K columns for every row in the compute
 dtype ([rows, K]) plus their K int64 indices, and the backward reads them instead of dividing.
 Without γ the rule applies with γ = 1 (a column is kept when |β_j| > 1 − λ_D); without β, with
-β = 0 (kept only when |γ_j| < λ_D, e.g. γ_j = 0). The set is decided at each forward from that
-forward's γ and β (they change while training): one host read of N flags per forward on CUDA (a
-sync; nothing on the CPU), none when the layer runs without a backward (see below). Models with
+β = 0 (kept only when |γ_j| < λ_D, e.g. γ_j = 0). The set is that of the forward's γ and β (they
+change while training; see "The plan" below for when it is computed). Models with
 |γ| ~ 1 and small β (a fresh BERT: γ = 1, β = 0) keep no column, so the bytes stay at y + rstd;
 all-MiniLM-L6-v2 keeps 14 of its 13 × 384 columns. In the formulas, γ_j·x̂_j is taken as y_j − β_j
 (no division) for recovered columns and as γ_j times the kept x̂_j for kept ones. The error of
@@ -36,7 +35,35 @@ nn.LayerNorm's with x̂ perturbed by (R). There is no clamp anywhere: a value is
 (R) or kept.
 
 Non-finite γ or β: the forward raises a ValueError naming the layer (``name``) and the column, so
-no NaN gradient is made silently.
+no NaN gradient is made silently. γ or β on another device than the input: a ValueError naming
+the layer, before any kernel runs.
+
+The plan (which columns are kept, and the finiteness check that rides on it) needs the N flags on
+the host, which on CUDA is a device-to-host copy that stalls the stream. So on the Triton path and
+on every device but the CPU it is made once per *version* of γ and β and cached
+(``cached_kept_columns``): keyed on the parameter objects (the base of a view, with the view's
+geometry), the output dtype and the device, and valid while no optimizer step has been taken
+since (any ``torch.optim.Optimizer``, counted by torch's global post-step hook, which this module
+registers) and each parameter's version counter, storage pointer and dtype are those it was made
+at. PyTorch bumps the version counter at every in-place write to a tensor or to any view of it:
+``load_state_dict``, ``nn.init``, ``with torch.no_grad(): p.copy_(...)`` / ``p[3] = x`` /
+``p.mul_(...)``, the foreach and single-tensor optimizers; replacing the storage (``p.data = t``,
+``module.half()``, ``module.to(...)``) changes the pointer or dtype. The optimizer hook covers
+what the counter misses inside a step: the fused optimizers (``AdamW(fused=True)``, HF Trainer's
+``adamw_torch_fused``) update in place without bumping it (torch 2.11 and 2.13), and hand-written
+optimizers may write through ``.data``. A forward that finds its plan stale refreshes, in one
+transfer, the plans of every layer on that device: one host read per training step for a whole
+model, none in a forward, a recomputation (activation checkpointing) or an eval pass while the
+parameters stay the same. **What is not seen**: an in-place write outside an optimizer step that
+goes through ``.data`` (``p.data.fill_(...)``: ``.data`` has a version counter of its own) or
+through a fused multi-tensor op called directly; it leaves the plan of the old values in place (a
+column that became unrecoverable would be recovered by division, a non-finite value would not
+raise). After such writes call ``forget_kept_column_plans()``, or write under ``torch.no_grad()``
+without ``.data``.
+The CPU reference path makes the plan at every forward instead (its flags are on the host
+already: no cache that could go stale). Under ``torch.compile`` the op's body runs eagerly, so
+the same cache applies; a compiled graph that hands the op a fresh alias of γ (no ``_base``) only
+misses the cache (a read per forward, as before), it never reuses a wrong plan.
 
 No backward, no cost: when the output cannot reach a backward pass (grad mode off, or neither
 the input nor γ/β requires grad: evaluation under ``torch.no_grad()``/``inference_mode()``) the
@@ -52,11 +79,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
+import weakref
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tempo.ops._backend import (
     TRITON_DTYPES,
@@ -109,19 +139,214 @@ def plan_kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtyp
     """
     if weight is None and bias is None:
         return torch.empty((0,), dtype=torch.int64, device=device)
+    code = _column_code(weight, bias, out_dtype, n, device).cpu()
+    bad = torch.nonzero(code > 1).flatten()
+    if bad.numel():
+        _raise_non_finite(where, weight, bias, int(bad[0]), int(code[int(bad[0])]), bad.numel(), n)
+    return torch.nonzero(code).flatten().to(device)
+
+
+def _column_code(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
+                 device: torch.device) -> Tensor:
+    """uint8 [n] on the device: bit 0 the column is kept, bit 1 γ_j is not finite, bit 2 β_j is not.
+    γ and β of any shape holding n elements (flattened here)."""
+    weight = weight.reshape(n) if weight is not None else None
+    bias = bias.reshape(n) if bias is not None else None
     code = unrecoverable_columns(weight, bias, out_dtype, n, device).to(torch.uint8)
     for bit, param in ((2, weight), (4, bias)):
         if param is not None:
             code |= (~torch.isfinite(param.detach())).to(torch.uint8) * bit
-    code = code.cpu()
-    bad = torch.nonzero(code > 1).flatten()
-    if bad.numel():
-        col = int(bad[0])
-        which = "weight (γ)" if int(code[col]) & 2 else "bias (β)"
-        value = (weight if int(code[col]) & 2 else bias).detach().reshape(-1)[col].item()
-        raise ValueError(f"{where}: {which} holds a non-finite value ({value}) at column {col} "
-                         f"({bad.numel()} bad column(s) of {n}); refusing to normalize with it")
-    return torch.nonzero(code).flatten().to(device)
+    return code
+
+
+def _raise_non_finite(where: str, weight: Optional[Tensor], bias: Optional[Tensor], col: int, code: int,
+                      count: int, n: int) -> None:
+    which = "weight (γ)" if code & 2 else "bias (β)"
+    value = (weight if code & 2 else bias).detach().reshape(-1)[col].item()  # the error path only
+    raise ValueError(f"{where}: {which} holds a non-finite value ({value}) at column {col} "
+                     f"({count} bad column(s) of {n}); refusing to normalize with it")
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan per parameter version (the Triton / CUDA path): no host read while γ and β are unchanged
+# ----------------------------------------------------------------------------------------------
+class _Plan:
+    """The kept columns (or the non-finite column) of one (γ, β, output dtype) on one device, valid
+    while ``_state`` of γ and β (optimizer steps taken, version counters, storage, dtype) is the
+    ``versions`` it was made at."""
+
+    __slots__ = ("refs", "shapes", "out_dtype", "n", "device", "versions", "kept_cols", "error")
+
+    def __init__(self, refs, shapes, out_dtype, n, device):
+        self.refs, self.shapes, self.out_dtype, self.n, self.device = refs, shapes, out_dtype, n, device
+        self.versions = None  # never made
+        self.kept_cols: Optional[Tensor] = None
+        self.error: Optional[tuple[int, int, int]] = None  # (column, code, bad columns)
+
+    def roots(self) -> Optional[tuple[Optional[Tensor], ...]]:
+        """The parameters (None where absent), or None when one of them has been freed."""
+        roots = tuple(ref() if ref is not None else None for ref in self.refs)
+        if any(root is None and ref is not None for root, ref in zip(roots, self.refs)):
+            return None
+        return roots
+
+    def params(self, roots) -> tuple[Optional[Tensor], ...]:
+        """γ and β as the op sees them: the roots, or their views of the recorded geometry."""
+        out = []
+        for root, shape in zip(roots, self.shapes):
+            if root is None:
+                out.append(None)
+            else:
+                root = root.detach()
+                out.append(root if shape is None else root.as_strided(*shape))
+        return tuple(out)
+
+
+_plans: dict[tuple, _Plan] = {}
+# Backward (and so activation-checkpoint recomputation) runs on autograd's device threads on CUDA.
+_plans_lock = threading.RLock()
+
+
+def _anchor(t: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[tuple]]:
+    """(the tensor owning t's version counter: t's base for a view, else t; t's geometry when a view).
+
+    A view shares its base's version counter, so an in-place write through any view of a parameter
+    (``param.view(-1)[3] = x``) bumps the counter read here."""
+    if t is None:
+        return None, None
+    base = t._base
+    if base is None:
+        return t, None
+    return base, (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+def _cacheable(*params: Optional[Tensor]) -> bool:
+    # Plain tensors and Parameters only: inference tensors have no version counter, meta tensors no
+    # values, and subclasses (fake tensors, DTensor, ...) may have neither a data pointer nor a
+    # counter that means what it means here. Those are planned at every forward, as before.
+    return all(p is None or ((type(p) is Tensor or type(p) is nn.Parameter) and not p.is_inference()
+                             and not p.is_meta) for p in params)
+
+
+# Optimizer steps taken in this process (any torch.optim.Optimizer, through torch's global post-step
+# hook): the fused optimizers (AdamW(fused=True), HF Trainer's "adamw_torch_fused", SGD(fused=True))
+# update parameters in place without bumping their version counters (checked on torch 2.11 and
+# 2.13), and hand-written optimizers may write through .data; a step makes every plan stale.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def _state(roots: tuple[Optional[Tensor], ...]) -> tuple:
+    """What a plan is valid for: no optimizer step since, each parameter's version counter, and
+    its storage and dtype (so that ``param.data = other``, as ``module.half()`` or ``module.to()``
+    do it, is seen too)."""
+    return (_optimizer_steps,) + tuple((r._version, r.data_ptr(), r.dtype) if r is not None else None
+                                       for r in roots)
+
+
+def _refresh_plans(device: torch.device) -> None:
+    """Make every stale plan of ``device`` current: their flags in one transfer, one host read."""
+    stale = []
+    for key, plan in list(_plans.items()):
+        if plan.device != device:
+            continue
+        roots = plan.roots()
+        if roots is None or any(r is not None and r.device != device for r in roots):
+            del _plans[key]  # a freed parameter, or one moved to another device (its plan is made there)
+            continue
+        state = _state(roots)
+        if state != plan.versions:
+            try:
+                params = plan.params(roots)
+            except RuntimeError:  # the storage was swapped for a smaller one: the view is gone
+                del _plans[key]
+                continue
+            stale.append((plan, params, state))
+    if not stale:
+        return
+    with torch.no_grad():
+        codes = [_column_code(*params, plan.out_dtype, plan.n, device) for plan, params, _ in stale]
+        host = torch.cat(codes).cpu().numpy()  # the one host read
+        start = 0
+        for (plan, _params, state), code in zip(stale, codes):
+            flags = host[start:start + plan.n]
+            start += plan.n
+            bad = (flags > 1).nonzero()[0]
+            if bad.size:
+                plan.error, plan.kept_cols = (int(bad[0]), int(flags[bad[0]]), int(bad.size)), None
+            else:
+                k = int(flags.sum())
+                # The k flagged columns, ascending, on the device without another host read (a
+                # stable sort puts the ones first, in column order).
+                plan.kept_cols = (torch.sort(code, stable=True, descending=True).indices[:k] if k
+                                  else torch.empty((0,), dtype=torch.int64, device=device))
+                plan.error = None
+            plan.versions = state
+
+
+def cached_kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
+                        device: torch.device, where: str) -> Tensor:
+    """``plan_kept_columns`` made once per version of γ and β: a forward whose γ and β are unchanged
+    since the plan was made reads nothing from the device (module docstring, "The plan").
+
+    A miss (a new layer, or γ/β written since: the optimizer step) refreshes the plans of every
+    layer on ``device`` whose parameters changed, in one transfer: one host read per training step
+    for all of a model's LayerNorms. Raises as ``plan_kept_columns`` does (non-finite γ or β)."""
+    if (weight is None and bias is None) or not _cacheable(weight, bias):
+        return plan_kept_columns(weight, bias, out_dtype, n, device, where)
+    device = torch.device(device)
+    (w_root, w_shape), (b_root, b_shape) = _anchor(weight), _anchor(bias)
+    key = (id(w_root), w_shape, id(b_root), b_shape, out_dtype, n, device)
+    with _plans_lock:
+        plan = _plans.get(key)
+        roots = plan.roots() if plan is not None else None
+        if roots is None or roots[0] is not w_root or roots[1] is not b_root:
+            refs = tuple(weakref.ref(r) if r is not None else None for r in (w_root, b_root))
+            plan = _plans[key] = _Plan(refs, (w_shape, b_shape), out_dtype, n, device)
+        if plan.versions != _state((w_root, b_root)):
+            _refresh_plans(device)
+        error, kept = plan.error, plan.kept_cols
+    if kept is None and error is None:  # not refreshable (see _refresh_plans): plan this forward alone
+        return plan_kept_columns(weight, bias, out_dtype, n, device, where)
+    if error is not None:
+        _raise_non_finite(where, weight, bias, error[0], error[1], error[2], n)
+    # A fresh tensor per call (an op's outputs must not alias across calls); nothing to copy when
+    # no column is kept, the usual case.
+    return kept.clone() if kept.numel() else torch.empty((0,), dtype=torch.int64, device=device)
+
+
+def forget_kept_column_plans() -> None:
+    """Drop every cached plan: the next forward of each layer makes its plan again. Needed only
+    after writing γ or β through ``.data`` (which has a version counter of its own, so the write is
+    not seen): see the module docstring."""
+    with _plans_lock:
+        _plans.clear()
+
+
+def kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
+                 device: torch.device, where: str, backend: str) -> Tensor:
+    """The plan a forward uses: cached per parameter version on the Triton path and on any device
+    but the CPU (where a host read stalls the stream); made at every forward on the CPU reference
+    path, where reading the flags costs nothing and no cache can go stale."""
+    if backend == "triton" or torch.device(device).type != "cpu":
+        return cached_kept_columns(weight, bias, out_dtype, n, device, where)
+    return plan_kept_columns(weight, bias, out_dtype, n, device, where)
+
+
+def check_parameter_devices(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], where: str) -> None:
+    """A ValueError naming the layer when γ or β is not on the input's device (a kernel would read
+    another device's memory: an illegal memory access on CUDA, not an error)."""
+    for arg, sign, param in (("weight", "γ", weight), ("bias", "β", bias)):
+        if param is not None and param.device != x.device:
+            raise ValueError(f"{where}: {arg} ({sign}) is on {param.device} but the input is on {x.device}; "
+                             f"move the layer to the input's device")
 
 
 def column_slots(kept_cols: Tensor, n: int) -> Tensor:
@@ -551,7 +776,7 @@ def layernorm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bia
     the same one; ``name`` names the layer in errors."""
     n = _trailing_numel(x, normalized_ndim)
     _check_op_backend(backend, n, x.dtype, "tempo::layernorm_fwd")
-    kept_cols = plan_kept_columns(weight, bias, out_dtype, n, x.device, name)
+    kept_cols = kept_columns(weight, bias, out_dtype, n, x.device, name, backend)
     if backend == "triton" and x.numel() > 0:  # empty: no kernel to launch
         y, rstd, kept_xhat = _layernorm_fwd_triton(x, n, weight, bias, eps, out_dtype, kept_cols)
     else:
@@ -679,6 +904,7 @@ def inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[
             if tuple(param.shape) != shape:
                 raise ValueError(f"{OP_NAME}: argument '{arg}' of shape {tuple(param.shape)} must have "
                                  f"the normalized_shape {shape}")
+    check_parameter_devices(x, weight, bias, name or OP_NAME)
     if out_dtype is not None and not out_dtype.is_floating_point:
         raise TypeError(f"{OP_NAME}: argument 'out_dtype' must be a floating-point dtype, got {out_dtype}")
     dtype = _output_dtype(x, out_dtype)
@@ -694,15 +920,24 @@ def inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[
     y, _rstd, _cols, _kept = torch.ops.tempo.layernorm_fwd(
         x.contiguous(),
         len(shape),
-        # Views of contiguous parameters (the usual case) share their storage: nothing is copied.
-        weight.reshape(n).contiguous() if weight is not None else None,
-        bias.reshape(n).contiguous() if bias is not None else None,
+        # The parameters themselves when 1-D (the usual case; the plan cache knows them by identity),
+        # else views of them: contiguous parameters are never copied.
+        _flat_param(weight, n),
+        _flat_param(bias, n),
         float(eps),
         dtype,
         resolve_layernorm_backend(x, n),
         name or OP_NAME,
     )
     return y
+
+
+def _flat_param(param: Optional[Tensor], n: int) -> Optional[Tensor]:
+    if param is None:
+        return None
+    if param.dim() == 1 and param.is_contiguous():
+        return param
+    return param.reshape(n).contiguous()
 
 
 class LayerNormParameters(nn.Module):
@@ -781,5 +1016,6 @@ def name_layernorms(root: nn.Module) -> None:
             module.tempo_name = qualified or type(module).__name__
 
 
-__all__ = ["InplaceLayerNorm", "LayerNormParameters", "inplace_layernorm", "layernorm_fwd", "layernorm_bwd",
-           "name_layernorms", "plan_kept_columns", "unrecoverable_columns"]
+__all__ = ["InplaceLayerNorm", "LayerNormParameters", "cached_kept_columns", "forget_kept_column_plans",
+           "inplace_layernorm", "kept_columns", "layernorm_fwd", "layernorm_bwd", "name_layernorms",
+           "plan_kept_columns", "unrecoverable_columns"]
