@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -47,15 +49,16 @@ def test_marginal_bytes_exclude_the_fixed_part():
     assert fixed == 16 * 16 * 4  # the product kept by the matmul
 
 
-def test_ledger_table_for_a_small_config_and_cli(capsys, monkeypatch):
+def test_ledger_table_for_a_small_config_and_cli(capsys):
     # The BERT-large table is the CLI's job; a two-row table at s=16 checks the plumbing fast.
-    rows = ledger_table(seq_lens=(16,), variants=("original", "tempo"), dtype=torch.bfloat16)
-    assert rows[0]["seq_len"] == 16 and rows[0]["tempo"] < rows[0]["original"]
+    rows = ledger_table(seq_lens=(16,), variants=("original", "tempo", "tempo-floor"), dtype=torch.bfloat16)
+    assert rows[0]["seq_len"] == 16 and rows[0]["tempo-floor"] < rows[0]["tempo"] < rows[0]["original"]
     text = format_table(rows)
-    assert "| 16 |" in text and "%" in text
+    assert "| 16 |" in text and "%" in text and "Tempo (paper's 3 layers)" in text
     assert main(["--seq-lens", "16", "--no-hf"]) == 0
     out = capsys.readouterr().out
-    assert "Tempo saves" in out and "| 16 |" in out
+    assert "Tempo (all layers) saves" in out and "| 16 |" in out
+    assert "Left out: the HF columns and the transformers families table (--no-hf)." in out
 
 
 def test_family_table_shows_what_apply_tempo_saves():
@@ -68,3 +71,108 @@ def test_family_table_shows_what_apply_tempo_saves():
     for row in rows:
         before, after = (float(cell.strip().rstrip(" h")) for cell in row.split("|")[3:5])
         assert 0 < after < before, row
+
+
+# -- the fake-tensor count (what python -m tempo.memory prints) against the real-tensor ledger ----
+def test_fake_tensors_count_storages_like_real_ones():
+    from tempo.memory.fake import FakeSession
+
+    session = FakeSession()
+    x = session.tensor((8, 16), requires_grad=True)
+    with session.ledger() as ledger:
+        a = x.sin()  # keeps x
+        (a[:, :8] * a[:, 8:]).sum()  # two views of a's storage: counted once, whole storage
+    assert ledger.activation_bytes == 2 * 8 * 16 * 4
+    model = session.module(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    with session.ledger(model) as ledger:
+        model(session.tensor((3, 4))).sum()
+    assert ledger.by_module() == {"0": 3 * 4 * 4, "1": 3 * 8 * 4}
+    assert ledger.parameter_bytes == 8 * 2 * 4  # the second Linear's (fake) weight is set apart
+
+
+def _hf_variants(variants):
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return tuple(v for v in variants if not v.startswith("hf-"))
+    return tuple(variants)
+
+
+def test_lone_layer_table_fake_count_equals_the_real_ledger():
+    # Every column of the lone-layer table, BERT-large, at s = 16 (the bytes per token at batch 2 minus
+    # batch 1 are exact at any s: the fake count runs the same code on the same shapes).
+    from tempo.bench.ledger_table import LEDGER_VARIANTS
+
+    variants = _hf_variants(LEDGER_VARIANTS + ("hf-eager",))
+    fake = ledger_table(seq_lens=(16,), variants=variants, fake=True)
+    real = ledger_table(seq_lens=(16,), variants=variants, fake=False)
+    assert fake == real
+
+
+def test_stack_table_fake_count_equals_the_real_ledger():
+    # Every column of the per-added-layer table (ours and transformers' BertModel before/after
+    # apply_tempo), on the tiny config (same code paths, BERT-large's would only take longer to build).
+    from tempo.bench.ledger_table import STACK_VARIANTS, stack_table
+
+    variants = _hf_variants(STACK_VARIANTS)
+    fake = stack_table(seq_lens=(16,), variants=variants, config_name="bert_tiny", fake=True)
+    real = stack_table(seq_lens=(16,), variants=variants, config_name="bert_tiny", fake=False)
+    assert fake == real
+
+
+@pytest.mark.parametrize("family", ["minilm", "deberta-v3-large", "modernbert-large"])
+def test_family_table_fake_count_equals_the_real_ledger(family, monkeypatch):
+    # Each family's row (before and after apply_tempo(model)) at a small width, so that the real
+    # models build fast; ModernBERT with a window shorter than s, so its sliding-window layer masks.
+    pytest.importorskip("transformers")
+    from tempo.bench import ledger_table as table
+
+    label, cls, fields = table.FAMILIES[family]
+    small = dict(fields, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    if family == "modernbert-large":
+        small["local_attention"] = 8
+    monkeypatch.setitem(table.FAMILIES, family, (label, cls, small))
+    fake = table.family_rows(seq_lens=(16,), families=(family,), fake=True)
+    real = table.family_rows(seq_lens=(16,), families=(family,), fake=False)
+    assert fake == real
+    assert 0 < fake[0]["after"] <= fake[0]["before"]
+
+
+# -- the command's input checks and what it leaves out --------------------------------------
+def test_unknown_family_or_length_is_named_with_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--families", "minilm", "bert-base"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown family 'bert-base'" in err and "minilm, deberta-v3-large, modernbert-large" in err
+    for bad, said in (("1024", "sequence length 1024 is out of range"), ("0", "sequence length 0 is out of range"),
+                      ("long", "'long' is not a sequence length")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--seq-lens", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and "valid: an integer from 1 to 512" in err
+
+
+def test_without_transformers_the_hf_tables_are_left_out_in_one_line(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    assert main(["--seq-lens", "16"]) == 0
+    out = capsys.readouterr().out
+    left_out = [line for line in out.splitlines() if line.startswith("Left out:")]
+    assert left_out == ['Left out: the HF columns and the transformers families table: transformers is not '
+                        'installed (pip install -e ".[hf]").']
+    assert "HF eager" not in out and "DeBERTa" not in out
+    assert "Tempo (all layers)" in out and "Per added layer" in out
+
+
+def test_cli_prints_every_table_with_readable_headers(capsys):
+    pytest.importorskip("transformers")
+    assert main(["--seq-lens", "16", "--families", "minilm"]) == 0
+    out = capsys.readouterr().out
+    for header in ("| s | original | Tempo (paper's 3 layers) | original + sdpa | Tempo GELU + LayerNorm, sdpa | "
+                   "Tempo (all layers) | HF eager | Tempo (all layers) saves |",
+                   "| s | original | Tempo (paper's 3 layers) | Tempo (all layers) | HF eager | "
+                   "HF + apply_tempo (paper's 3) | HF + apply_tempo (all layers) | Tempo (all layers) saves |",
+                   "| model | s | HF eager | HF + apply_tempo(model) | saved |"):
+        assert header in out
+    assert "| MiniLM-L6 (BERT, h=384) | 16 |" in out and "Left out" not in out

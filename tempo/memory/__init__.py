@@ -14,8 +14,11 @@ live only during forward or backward: the allocator's peak measures those.
         loss = model(batch).loss
     print(ledger.activation_bytes, ledger.by_module())
 
-``python -m tempo.memory`` prints the per-layer table for BERT-large encoder layers (the table itself
-lives with the benchmarks, ``tempo.bench.ledger_table``: it builds models, this module does not).
+``tempo.memory.fake.FakeSession`` counts the same bytes on fake tensors: no data, no compute.
+
+``python -m tempo.memory`` prints the per-layer tables for BERT-large encoder layers and transformers'
+encoders (the tables themselves live with the benchmarks, ``tempo.bench.ledger_table``: they build
+models, this module does not).
 """
 
 from __future__ import annotations
@@ -41,13 +44,18 @@ class SavedTensor:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """Identity of the memory behind ``t``; None when it has none we can name."""
+    """Identity of the memory behind ``t``; None when it has none we can name (or no bytes).
+
+    Real tensors: the data pointer. Fake and meta tensors (``tempo.memory.fake``) have none: their
+    storage object names them instead, which views share, as they share a data pointer."""
     try:
         storage = t.untyped_storage()
+        if storage.device.type == "meta":  # fake tensors' storage lives on meta
+            return ("meta", storage._cdata) if storage.nbytes() else None
         ptr = storage.data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without real storage
         return None
-    if ptr == 0:  # empty tensors and meta tensors: no bytes, and not comparable
+    if ptr == 0:  # empty tensors: no bytes, and not comparable
         return None
     return (t.device.type, t.device.index, ptr)
 
@@ -183,12 +191,10 @@ def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
-        try:
-            storage = t.untyped_storage()
-            key = (t.device.type, t.device.index, storage.data_ptr())
-            nbytes = storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            key, nbytes = (id(t),), t.numel() * t.element_size()
+        key = _storage_key(t)
+        nbytes = _storage_nbytes(t)
+        if key is None:
+            key = (id(t),)
         if key in seen:
             continue
         seen.add(key)

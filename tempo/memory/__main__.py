@@ -1,4 +1,4 @@
-"""``python -m tempo.memory``: the per-layer activation table (see tempo.bench.ledger_table)."""
+"""``python -m tempo.memory``: the activation-ledger tables, counted on fake tensors (see tempo.bench.ledger_table)."""
 
 from tempo.bench.ledger_table import main
 

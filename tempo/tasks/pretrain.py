@@ -367,8 +367,12 @@ def _loop(args, rt, train_step, batches, step, steps_left, excluded, logger, che
         if step % args.num_steps_per_checkpoint == 0:
             checkpoint(step)
         if stop.requested:
-            print(f"{PROG}: SIGTERM received: checkpoint at step {step}, stopping", file=sys.stderr)
-            checkpoint(step)
+            if args.skip_checkpoint:
+                print(f"{PROG}: SIGTERM received at step {step}: stopping without a checkpoint (--skip_checkpoint)",
+                      file=sys.stderr)
+            else:
+                print(f"{PROG}: SIGTERM received: checkpoint at step {step}, stopping", file=sys.stderr)
+            checkpoint(step)  # writes nothing under --skip_checkpoint
             break
     progress.close()
     clock.stop()
