@@ -102,8 +102,26 @@ def _dropout_add_layernorm(device):
     dropout_add_layernorm_keep_mask(torch.tensor(1, device=device), (3, 32), 0.1, device, "triton")
 
 
+def _disentangled_attention(device):
+    from tempo.ops.disentangled_attention import (
+        disentangled_attention,
+        disentangled_attention_keep_mask,
+        disentangled_attention_varlen,
+    )
+
+    geometry = dict(span=4, position_buckets=4, max_relative_positions=8, scale=0.3)
+    kp, qp = (torch.randn(8, 2, 8, device=device, requires_grad=True) for _ in range(2))
+    q, k, v = (torch.randn(2, 9, 2, 8, device=device, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 9, dtype=torch.bool, device=device)
+    _backward(disentangled_attention(q, k, v, kp, qp, padding_mask=mask, dropout_p=0.1, **geometry), q, k, v, kp, qp)
+    cu = torch.tensor([0, 3, 9], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(9, 2, 8, device=device, requires_grad=True) for _ in range(3))
+    _backward(disentangled_attention_varlen(q, k, v, cu, 6, kp, qp, **geometry), q, k, v, kp, qp)
+    disentangled_attention_keep_mask(torch.tensor(1, device=device), 1, 1, 8, 0.1, backend="triton")
+
+
 WORKLOADS = {"layernorm": _layernorm, "gelu": _gelu, "combined": _combined,
-             "dropout_add_layernorm": _dropout_add_layernorm}
+             "dropout_add_layernorm": _dropout_add_layernorm, "disentangled_attention": _disentangled_attention}
 
 
 @pytest.mark.parametrize("device", GUARD_DEVICES)

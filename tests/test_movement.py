@@ -186,6 +186,47 @@ def test_combined_kernels_match_their_declarations():
     _check_against_interpreter(lambda: core(scores, v).backward(torch.randn(b, h, s, d)))
 
 
+DISENTANGLED_CASES = {  # (layout, dtype, c2p, p2c, masked, dropout)
+    "padded-bf16-both-mask-dropout": ("padded", torch.bfloat16, True, True, True, 0.1),
+    "padded-fp32-p2c": ("padded", torch.float32, False, True, False, 0.0),
+    "varlen-fp32-c2p-dropout": ("varlen", torch.float32, True, False, False, 0.1),
+}
+
+
+@pytest.mark.parametrize("case", list(DISENTANGLED_CASES))
+def test_disentangled_attention_kernels_match_their_declarations(case):
+    """Forward and both backward kernels: rows of q, k, v, dO, O and the stats, the position rows and
+    index-table entries their tile pairs touch, the mask or offsets, and each program's own bands of
+    the position-gradient partials (read-modify-write). S = 37 and 20 leave partial tiles, log buckets
+    (position_buckets 8, max_relative_positions 16) merge and clamp table rows. Varlen sequences are
+    all max_seqlen long: the declaration's assumption (the trace holds no offsets)."""
+    from tempo.ops.disentangled_attention import disentangled_attention, disentangled_attention_varlen
+
+    layout, dtype, c2p, p2c, masked, p = DISENTANGLED_CASES[case]
+    torch.manual_seed(0)
+    geometry = dict(span=8, position_buckets=8, max_relative_positions=16, scale=0.25)
+    kp = torch.randn(16, 2, 8, dtype=dtype, requires_grad=True) if c2p else None
+    qp = torch.randn(16, 2, 8, dtype=dtype, requires_grad=True) if p2c else None
+    if layout == "padded":
+        q, k, v = (torch.randn(3, 37, 2, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+        mask = torch.ones(3, 37, dtype=torch.bool) if masked else None
+        if masked:
+            mask[1, 30:] = False
+
+        def run():
+            out = disentangled_attention(q, k, v, kp, qp, padding_mask=mask, dropout_p=p, **geometry)
+            out.backward(torch.randn_like(out))
+    else:
+        cu = torch.tensor([0, 20, 40, 60], dtype=torch.int32)
+        q, k, v = (torch.randn(60, 2, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def run():
+            out = disentangled_attention_varlen(q, k, v, cu, 20, kp, qp, dropout_p=p, **geometry)
+            out.backward(torch.randn_like(out))
+
+    _check_against_interpreter(run)
+
+
 # ---------------------------------------------------------------------------------------------
 # Projection and calibration
 # ---------------------------------------------------------------------------------------------

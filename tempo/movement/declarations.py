@@ -622,6 +622,179 @@ def _combined_backward(call: OpCall, target: Target) -> list[Kernel]:
     return kernels
 
 
+# ---------------------------------------------------------------------------------------------
+# DeBERTa's disentangled attention (tempo/ops/disentangled_attention.py): its Triton kernels
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _DisentangledGeometry:
+    """What the disentangled-attention kernels' footprints depend on. ``lengths``: the sequence
+    lengths (padded: B × S; varlen: the trace holds no offsets, so every sequence is taken as
+    max_seqlen long, an upper bound that is exact when they all are)."""
+
+    tokens: int
+    heads: int
+    d: int
+    d_v: int
+    max_len: int
+    lengths: tuple[int, ...]
+    table: tuple[int, ...]  # idx(t) at t + max_len - 1
+    span: int
+    c2p: bool
+    p2c: bool
+    dropout: bool
+    mask_bytes: int
+    cu_bytes: int
+
+    def rows(self, t_lo: int, t_hi: int) -> tuple[int, int]:
+        """(first, last) table row of t in [t_lo, t_hi], clamped into the table as the kernels clamp."""
+        lo = min(max(t_lo + self.max_len - 1, 0), 2 * self.max_len - 2)
+        hi = min(max(t_hi + self.max_len - 1, 0), 2 * self.max_len - 2)
+        return self.table[lo], self.table[hi]
+
+    def launch_t_range(self, m: int, n: int) -> tuple[int, int]:
+        """Clamped range of t = i0 − j0 + u − (N − 1) over every tile pair of the launch."""
+        longest = max(self.lengths)
+        lo = -((longest - 1) // n * n) - (n - 1)
+        hi = (longest - 1) // m * m + m - 1
+        return max(lo, -(self.max_len - 1)), min(hi, self.max_len - 1)
+
+    def table_reads(self, m: int, n: int) -> tuple[int, int]:
+        """(table bytes, distinct position rows per head) the tile pairs of one launch load."""
+        lo, hi = self.launch_t_range(m, n)
+        entries = self.table[lo + self.max_len - 1: hi + self.max_len]
+        return 4 * len(entries), len(set(entries))
+
+
+def _disentangled_geometry(call: OpCall) -> _DisentangledGeometry:
+    from tempo.ops.disentangled_attention import relative_position_index
+
+    q, v = call.arg("q"), call.arg("v")
+    span, buckets, max_rel = call.arg("span"), call.arg("position_buckets"), call.arg("max_relative_positions")
+    if "cu_seqlens" in call.args:
+        tokens, heads, d = q.shape
+        cu = call.arg("cu_seqlens")
+        max_len = call.arg("max_seqlen")
+        lengths = (max_len,) * (cu.shape[0] - 1)
+        mask_bytes, cu_bytes = 0, cu.nbytes
+    else:
+        batch, max_len, heads, d = q.shape
+        tokens, lengths = batch * max_len, (max_len,) * batch
+        mask = call.arg("padding_mask")
+        mask_bytes, cu_bytes = _opt_bytes(mask), 0
+    table = tuple(int(x) for x in relative_position_index(max(max_len, 1), span, buckets, max_rel, "cpu").tolist())
+    return _DisentangledGeometry(tokens, heads, d, v.shape[-1], max(max_len, 1), lengths, table, span,
+                                 call.arg("pos_key") is not None, call.arg("pos_query") is not None,
+                                 call.arg("dropout_p") > 0, mask_bytes, cu_bytes)
+
+
+def _disentangled_common_reads(geo: _DisentangledGeometry, es: int, m: int, n: int) -> int:
+    """Bytes every kernel of the op loads besides the row tensors: the position rows its tile pairs
+    touch (per head), the index table entries, the mask or the offsets, the seed."""
+    table_bytes, rows = geo.table_reads(m, n)
+    positions = (geo.c2p + geo.p2c) * rows * geo.heads * geo.d * es
+    return (positions + (table_bytes if geo.c2p or geo.p2c else 0) + geo.mask_bytes + geo.cu_bytes
+            + (SEED_BYTES if geo.dropout else 0))
+
+
+def _disentangled_pairs(geo: _DisentangledGeometry, m: int, n: int) -> int:
+    """Tile pairs (query tile, key tile) the kernels run, over sequences and heads."""
+    return geo.heads * sum(_cdiv(length, m) * _cdiv(length, n) for length in geo.lengths)
+
+
+def _disentangled_partial_rows(geo: _DisentangledGeometry, groups: int, programs: int, tpp: int, size: int,
+                               other: int, query_tiles: bool) -> int:
+    """Table rows of the partial buffer all programs of one backward kernel read-modify-write, per
+    head: program (p, group g) walks the sequences g, g + groups, ... and in each its tiles
+    p·tpp .. p·tpp + tpp − 1 below the length; each tile pair adds a band of rows
+    idx(t_lo)..idx(t_hi), and the bands of one program overlap (consecutive tiles)."""
+    total = 0
+    for g in range(groups):
+        for prog in range(programs):
+            ranges = []
+            for length in geo.lengths[g::groups]:
+                last_other = (length - 1) // other * other  # the last tile start the inner loop reaches
+                for start in range(prog * tpp * size, (prog + 1) * tpp * size, size):
+                    if start >= length:
+                        break
+                    if query_tiles:  # t = i0 − j0 + u − (N − 1), j0 over the key tiles
+                        ranges.append((start - last_other - (other - 1), start + size - 1))
+                    else:  # i0 over the query tiles, j0 = start
+                        ranges.append((-start - (size - 1), last_other + other - 1 - start))
+            if ranges:
+                first, last = geo.rows(min(r[0] for r in ranges), max(r[1] for r in ranges))
+                total += last - first + 1
+    return total
+
+
+@declares("tempo.disentangled_attention_fwd", "tempo.disentangled_attention_varlen_fwd")
+def _disentangled_forward(call: OpCall, target: Target) -> list[Kernel]:
+    """_fwd_kernel: reads q, k, v of every real token, the position rows its tile pairs touch, the
+    index table, the mask (padded) or the offsets (varlen), the seed (dropout); writes out and the
+    fp32 (m, log l) per row and head."""
+    from tempo.ops.disentangled_attention import triton_tiles
+
+    q, v = call.arg("q"), call.arg("v")
+    geo = _disentangled_geometry(call)
+    m, n, w, _, _ = triton_tiles("fwd", call.arg("q").dtype)
+    es, out = q.itemsize, call.tensor_outputs()[0]
+    rows_in = geo.tokens * geo.heads * (2 * geo.d + geo.d_v) * es
+    read = rows_in + _disentangled_common_reads(geo, es, m, n)
+    written = out.numel * out.itemsize + 8 * geo.tokens * geo.heads
+    flops = 2 * _disentangled_pairs(geo, m, n) * (m * n * (geo.d + geo.d_v) + (geo.c2p * m + geo.p2c * n) * w * geo.d)
+    return [Kernel("_fwd_kernel", CONTRACTION, read, written, flops, q.dtype, triton=True)]
+
+
+@declares("tempo.disentangled_attention_bwd", "tempo.disentangled_attention_varlen_bwd")
+def _disentangled_backward(call: OpCall, target: Target) -> list[Kernel]:
+    """grad_out.contiguous() (a copy only when it is not), zeroed fp32 partial buffers of the
+    position gradients, _bwd_dq_kernel (reads q, k, v, dO, O, the row stats, the position rows, the
+    table, the mask or offsets, the seed; writes D = rowsum(dO·O), dq and read-modify-writes its own
+    bands of the c2p partial), _bwd_dkdv_kernel (reads q, k, v, dO, the stats, D, the same position
+    data; writes dk, dv and its bands of the p2c partial), then per position table the partials
+    summed over (groups, tiles), scaled, and cast to the table's dtype. Grids from
+    tempo.ops.disentangled_attention.backward_plan for ``target`` (its CPU sizing on the interpreter)."""
+    from tempo.ops.disentangled_attention import backward_plan, triton_tiles
+
+    q, v, grad = call.arg("q"), call.arg("v"), call.arg("grad_out")
+    geo = _disentangled_geometry(call)
+    m, n, w, _, _ = triton_tiles("bwd", call.arg("q").dtype, geo.c2p or geo.p2c)
+    es = q.itemsize
+    groups, tpp, progs_q, progs_k = backward_plan(len(geo.lengths), geo.max_len, geo.heads, geo.d, geo.span,
+                                                  geo.c2p, geo.p2c, target.sms is not None, q.dtype)
+    kernels = [] if grad.is_contiguous else [_copy("grad_out.contiguous()", grad)]
+    table_rows = 2 * geo.span * geo.heads * geo.d
+    for present, progs in ((geo.c2p, progs_q), (geo.p2c, progs_k)):
+        if present:
+            kernels.append(Kernel("torch.zeros (position-gradient partials)", ELEMENTWISE, 0,
+                                  4 * groups * progs * table_rows))
+    th = geo.tokens * geo.heads
+    qk_bytes, v_bytes = th * geo.d * es, th * geo.d_v * es
+    common = _disentangled_common_reads(geo, es, m, n)
+    pairs = _disentangled_pairs(geo, m, n)
+    scores = m * n * (geo.d + geo.d_v) + (geo.c2p * m + geo.p2c * n) * w * geo.d  # S and dP of one tile pair
+    part_kp = (4 * geo.heads * geo.d * _disentangled_partial_rows(geo, groups, progs_q, tpp, m, n, True)
+               if geo.c2p else 0)
+    part_qp = (4 * geo.heads * geo.d * _disentangled_partial_rows(geo, groups, progs_k, tpp, n, m, False)
+               if geo.p2c else 0)
+    kernels.append(Kernel(
+        "_bwd_dq_kernel", CONTRACTION,
+        2 * qk_bytes + 3 * v_bytes + 8 * th + common + part_kp, 4 * th + qk_bytes + part_kp,
+        2 * pairs * (scores + m * n * geo.d + geo.c2p * (2 * m * w * geo.d + m * w * w)), q.dtype, triton=True))
+    kernels.append(Kernel(
+        "_bwd_dkdv_kernel", CONTRACTION,
+        2 * qk_bytes + 2 * v_bytes + 12 * th + common + part_qp, qk_bytes + v_bytes + part_qp,
+        2 * pairs * (scores + m * n * (geo.d + geo.d_v) + geo.p2c * (2 * n * w * geo.d + n * w * w)), q.dtype,
+        triton=True))
+    for present, progs, pos in ((geo.c2p, progs_q, call.arg("pos_key")), (geo.p2c, progs_k, call.arg("pos_query"))):
+        if present:
+            kernels.append(Kernel("partials.sum((0, 1))", ELEMENTWISE, 4 * groups * progs * table_rows, 4 * table_rows))
+            kernels.append(Kernel("mul_(scale)", ELEMENTWISE, 4 * table_rows, 4 * table_rows))
+            if pos.dtype != torch.float32:
+                kernels.append(Kernel("to(position table dtype)", ELEMENTWISE, 4 * table_rows,
+                                      table_rows * pos.itemsize))
+    return kernels
+
+
 __all__ = ["CLASSES", "CONTRACTION", "DECLARATIONS", "ELEMENTWISE", "INTERPRETER", "Kernel", "NORMALIZATION",
            "Target", "UndeclaredOp", "classify", "dal_backward_programs", "declares", "gelu_table_bytes",
            "io_kernel", "kernels_of"]

@@ -28,7 +28,11 @@ Ops covered: LayerNorm (h = 1024, 4096, 16384; fp32/fp16/bf16; with/without affi
 with a bf16 output as under autocast), GELU (both forms when ``inplace_gelu`` takes
 ``approximate``), Combined (softmax rows 128, 384, 512, the longest single-pass row and the
 longest Triton row; dropout on/off; autocast dtypes) and ``tempo.ops.dropout_add_layernorm`` at
-h = 1024, 4096 when that module exists (skipped, with a printed line, when it does not).
+h = 1024, 4096 when that module exists (skipped, with a printed line, when it does not), and
+DeBERTa's disentangled attention (``tempo.ops.disentangled_attention``: S = 512, head dim 64,
+span 256 with log buckets, S = 64, which compiles the kernels S = 512 runs; padded with a mask
+and varlen; fp32/fp16/bf16; c2p+p2c, c2p only, p2c only, content only; dropout on/off; its
+forward, both backward kernels and the keep-mask kernel).
 About 100 s on 2 cores with an empty triton cache (300 compiles).
 """
 
@@ -327,15 +331,53 @@ def _dropout_add_layernorm_workload(log: Callable[[str], None]) -> None:
     log("dropout_add_layernorm: h = 1024, 4096; with and without kept columns")
 
 
+def _disentangled_attention_workload(log: Callable[[str], None]) -> None:
+    import torch
+
+    from tempo.ops.disentangled_attention import (
+        disentangled_attention,
+        disentangled_attention_keep_mask,
+        disentangled_attention_varlen,
+    )
+
+    # DeBERTa-v3: head dim 64, span = position_buckets = 256, max_relative_positions 512. The
+    # sequence length only enters the kernels as runtime ints, which a launch specializes by
+    # divisibility by 16 alone: S = 64 compiles exactly the kernels S = 512 runs (one interpreted
+    # S = 512 call takes ~30 s; this whole workload ~30 s). One head, one padded sequence with a
+    # mask, or three packed ones (64, 17, 33 tokens).
+    s, d, span = 64, 64, 256
+    geometry = dict(span=span, position_buckets=256, max_relative_positions=512, scale=1.0 / (64 * 3) ** 0.5)
+    cu = torch.tensor([0, 64, 64 + 17, 64 + 17 + 33], dtype=torch.int32)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for c2p, p2c in ((True, True), (True, False), (False, True), (False, False)):
+            for p in (0.0, 0.1):
+                kp = torch.randn(2 * span, 1, d, dtype=dtype, requires_grad=True) if c2p else None
+                qp = torch.randn(2 * span, 1, d, dtype=dtype, requires_grad=True) if p2c else None
+                q, k, v = (torch.randn(1, s, 1, d, dtype=dtype, requires_grad=True) for _ in range(3))
+                mask = torch.ones(1, s, dtype=torch.bool)
+                mask[:, 50:] = False
+                _backward(disentangled_attention(q, k, v, kp, qp, padding_mask=mask, dropout_p=p, **geometry),
+                          q, k, v, kp, qp)
+                t = int(cu[-1])
+                q, k, v = (torch.randn(t, 1, d, dtype=dtype, requires_grad=True) for _ in range(3))
+                _backward(disentangled_attention_varlen(q, k, v, cu, s, kp, qp, dropout_p=p, **geometry),
+                          q, k, v, kp, qp)
+    disentangled_attention_keep_mask(torch.tensor(1), 1, 1, 64, 0.1, backend="triton")
+    log("disentangled_attention: D = 64, span = 256 (log buckets), S = 64 (compiles as S = 512); padded with a "
+        "mask and varlen; fp32/fp16/bf16; c2p+p2c, c2p, p2c, content only; dropout on/off")
+
+
 # The module each workload exercises (kernels there that no launch reached are reported).
 WORKLOAD_MODULES = {"layernorm": "tempo.ops.layernorm", "gelu": "tempo.ops.gelu", "combined": "tempo.ops.combined",
-                    "dropout_add_layernorm": "tempo.ops.dropout_add_layernorm"}
+                    "dropout_add_layernorm": "tempo.ops.dropout_add_layernorm",
+                    "disentangled_attention": "tempo.ops.disentangled_attention"}
 
 WORKLOADS: dict[str, Callable[[Callable[[str], None]], None]] = {
     "layernorm": _layernorm_workload,
     "gelu": _gelu_workload,
     "combined": _combined_workload,
     "dropout_add_layernorm": _dropout_add_layernorm_workload,
+    "disentangled_attention": _disentangled_attention_workload,
 }
 
 
