@@ -30,6 +30,7 @@ _LAZY = {
     "use_backend": "tempo.ops._backend",
     "apply_tempo": "tempo.integrations.patch",
     "revert_tempo": "tempo.integrations.patch",
+    "tempo_patched": "tempo.integrations.patch",
     "auto_tempo": "tempo.integrations.autotempo",
     "AutoTempoResult": "tempo.integrations.autotempo",
     "apply_choice": "tempo.integrations.autotempo",

@@ -450,7 +450,8 @@ def test_import_paths_and_repr():
     import tempo
 
     assert tempo.Combined is Combined
-    assert repr(Combined(-1, 0.1)) == "Combined(dim=-1, p=0.1)"
+    # The rate lives in the nn.Dropout it holds (setting .p on a model's nn.Dropout modules reaches it).
+    assert repr(Combined(-1, 0.1)) == "Combined(\n  dim=-1, p=0.1\n  (dropout): Dropout(p=0.1, inplace=False)\n)"
 
 
 # ----------------------------------------------------------------------------------------

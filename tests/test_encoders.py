@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the hf extra; CI installs it
 
-from tempo.integrations.deberta import DebertaCombinedAttention  # noqa: E402
+from tempo.integrations.deberta import DebertaCombinedAttention, DebertaEfficientAttention  # noqa: E402
 from tempo.integrations.patch import FusedResidualOutput, apply_tempo, revert_tempo, tempo_patched  # noqa: E402
 from tempo.memory import ActivationLedger  # noqa: E402
 
@@ -70,8 +70,8 @@ def test_deberta_fused_blocks_same_outputs_and_gradients(adversarial, caplog):
     with caplog.at_level("INFO", logger="tempo.integrations.patch"):
         patched = apply_tempo(copy.deepcopy(model))
     assert sum(isinstance(m, FusedResidualOutput) for m in patched.modules()) == 4
-    assert sum(isinstance(m, DebertaCombinedAttention) for m in patched.modules()) == 2
-    assert any("replaced 2 DeBERTa attention core" in r.getMessage() for r in caplog.records)
+    assert sum(isinstance(m, DebertaEfficientAttention) for m in patched.modules()) == 2
+    assert any("replaced 2 DeBERTa attention -> DebertaEfficientAttention" in r.getMessage() for r in caplog.records)
     assert not any("attention left as it is" in r.getMessage() for r in caplog.records)
     assert patched.config._attn_implementation == "eager"  # its own modules, not the AttentionInterface
     assert list(patched.state_dict()) == keys
@@ -79,7 +79,7 @@ def test_deberta_fused_blocks_same_outputs_and_gradients(adversarial, caplog):
     torch.testing.assert_close(tempo_out, out, rtol=1e-5, atol=1e-5)
     assert_same_gradients(grads, stock, exact)
     reverted = revert_tempo(patched)
-    assert not any(isinstance(m, (FusedResidualOutput, DebertaCombinedAttention)) for m in reverted.modules())
+    assert not any(isinstance(m, (FusedResidualOutput, DebertaEfficientAttention)) for m in reverted.modules())
     assert list(reverted.state_dict()) == keys
     _, reverted_grads = run(reverted)
     assert_same_gradients(reverted_grads, stock, exact)
@@ -106,7 +106,8 @@ def test_deberta_attention_core_keeps_the_probabilities_only(share_att_key):
     torch.manual_seed(0)
     model = deberta(attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.1, share_att_key=share_att_key).train()
     stock = _kept_bytes(model)
-    patched = apply_tempo(copy.deepcopy(model), gelu=False, layernorm=False, dropout_add_layernorm=False)
+    patched = apply_tempo(copy.deepcopy(model), gelu=False, layernorm=False, attention="tempo",
+                          dropout_add_layernorm=False)
     assert tempo_patched(patched)["DebertaCombinedAttention"] == 2
     scores = 2 * 2 * 12 * 12  # batch x heads x s x s
     with ActivationLedger() as dropout:
@@ -116,11 +117,12 @@ def test_deberta_attention_core_keeps_the_probabilities_only(share_att_key):
     assert stock - _kept_bytes(patched) == 2 * (mask_bytes + 4 * scores - 8)
 
 
-def test_deberta_attention_with_dropout_trains_and_replays():
+@pytest.mark.parametrize("attention", ["efficient", "tempo"])
+def test_deberta_attention_with_dropout_trains_and_replays(attention):
     """Dropout on: the core draws its mask from a seed; a no-grad pass and its replay with grad
     from the same RNG state agree (GradCache), and a backward reaches every attention weight."""
     torch.manual_seed(0)
-    model = apply_tempo(deberta(attention_probs_dropout_prob=0.3, hidden_dropout_prob=0.1)).train()
+    model = apply_tempo(deberta(attention_probs_dropout_prob=0.3, hidden_dropout_prob=0.1), attention=attention).train()
     ids = torch.randint(3, 100, (2, 12))
     state = torch.get_rng_state()
     with torch.no_grad():
@@ -129,22 +131,25 @@ def test_deberta_attention_with_dropout_trains_and_replays():
     second = model(input_ids=ids).last_hidden_state
     torch.testing.assert_close(first, second.detach(), rtol=1e-5, atol=1e-5)
     second.square().sum().backward()
-    attention = model.encoder.layer[0].attention.self
-    assert isinstance(attention, DebertaCombinedAttention)
-    for name, param in attention.named_parameters():
+    core = model.encoder.layer[0].attention.self
+    assert isinstance(core, DebertaEfficientAttention if attention == "efficient" else DebertaCombinedAttention)
+    for name, param in core.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
 def test_deberta_attention_choices(caplog):
-    """attention='tempo' swaps the core too; False leaves it; 'efficient' cannot run a dense
-    relative-position bias and says so before changing anything."""
+    """The default and attention='efficient' swap the core for the O(s) disentangled attention;
+    attention='tempo' for the paper's Combined; False leaves it."""
+    from tempo.integrations.deberta import DebertaEfficientAttention
+
     model = deberta()
+    for attention in (None, "efficient"):
+        patched = apply_tempo(copy.deepcopy(model), attention=attention)
+        assert tempo_patched(patched)["DebertaEfficientAttention"] == 2
+        assert sum(isinstance(m, DebertaEfficientAttention) for m in patched.modules()) == 2
     assert tempo_patched(apply_tempo(copy.deepcopy(model), attention="tempo"))["DebertaCombinedAttention"] == 2
-    assert "DebertaCombinedAttention" not in tempo_patched(apply_tempo(copy.deepcopy(model), attention=False))
-    untouched = copy.deepcopy(model)
-    with pytest.raises(ImportError, match="relative-position bias.*attention='tempo'"):
-        apply_tempo(untouched, attention="efficient")
-    assert tempo_patched(untouched) == {"attention": 0}
+    left = tempo_patched(apply_tempo(copy.deepcopy(model), attention=False))
+    assert "DebertaCombinedAttention" not in left and "DebertaEfficientAttention" not in left
 
 
 def test_deberta_attention_weights_come_from_the_original_forward(caplog, monkeypatch):
@@ -170,7 +175,7 @@ def test_deberta_on_the_meta_device_then_loaded():
     with torch.device("meta"):
         model = deberta()
     apply_tempo(model)
-    assert tempo_patched(model)["DebertaCombinedAttention"] == 2
+    assert tempo_patched(model)["DebertaEfficientAttention"] == 2
     model.to_empty(device="cpu")
     model.load_state_dict(stock.state_dict())
     for name, buffer in stock.named_buffers():  # non-persistent ones (position ids) are not in the state dict

@@ -697,19 +697,19 @@ def structure(model):
 
 
 def test_failure_while_planning_leaves_the_model_as_it_was(monkeypatch):
-    from tempo.integrations import patch
+    from tempo.integrations import layers
 
     model = bert_mlm()
     before, state = structure(model), snapshot(model)
-    real, calls = patch._make_layernorm, []
+    real, calls = layers._build_layernorm, []
 
-    def second_fails(old):  # the MLM head's LayerNorm: after the fused blocks were built
+    def second_fails(old, options):  # the MLM head's LayerNorm: after the fused blocks were built
         calls.append(old)
         if len(calls) == 2:
             raise RuntimeError("injected failure")
-        return real(old)
+        return real(old, options)
 
-    monkeypatch.setattr(patch, "_make_layernorm", second_fails)
+    monkeypatch.setattr(layers, "_build_layernorm", second_fails)
     with pytest.raises(RuntimeError, match="injected failure"):
         apply_tempo(model, gelu=HAVE_GELU)
     assert structure(model) == before
@@ -719,19 +719,20 @@ def test_failure_while_planning_leaves_the_model_as_it_was(monkeypatch):
 
 
 def test_failure_while_applying_undoes_the_swaps(monkeypatch):
-    from tempo.integrations import patch
+    from tempo.integrations import attention_switch
 
     model = bert_mlm()
-    before = structure(model)
+    before, config = structure(model), model.config
 
-    def half_then_fail(model, implementation):
-        model.config._attn_implementation = implementation  # the switch got halfway
+    def half_then_fail(model, configs, implementation):
+        model.config._attn_implementation = implementation  # the switch got halfway (on the copy)
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(patch, "_set_attn_implementation", half_then_fail)
+    monkeypatch.setattr(attention_switch, "_set_attn_implementation", half_then_fail)
     with pytest.raises(RuntimeError, match="injected failure"):
         apply_tempo(model, gelu=HAVE_GELU)
     assert structure(model) == before
+    assert model.config is config and all(m.config is config for m in model.modules() if "config" in m.__dict__)
     assert tempo_patched(model) == {"attention": 0} and model.config._attn_implementation == "eager"
     monkeypatch.undo()
     apply_tempo(model, gelu=HAVE_GELU)  # and it still works afterwards

@@ -338,3 +338,37 @@ def test_a_nonfinite_loss_with_finite_gradients_changes_nothing(name, precision,
             assert out.nonfinite and not out.stepped and step.nonfinite_steps == 1
         assert all(torch.equal(a, b) for a, b in zip(params, model.parameters())), mode
         assert _same_state(state, _state_copy(opt)) and sched.last_epoch == 1, mode
+
+
+# ---------------------------------------------------------------------------------------------
+# Real tokens and batch size, counted exactly for every batch form a user passes
+# ---------------------------------------------------------------------------------------------
+def _mask_and_ids():
+    ids = torch.arange(1, 13).view(3, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    return ids, mask  # 7 real tokens of 12
+
+
+@pytest.mark.parametrize("form", ["dle-dict", "hf-dict", "batch-encoding", "bare-tensor", "tuple", "list"])
+def test_real_tokens_and_batch_size_are_exact_for_every_batch_form(form):
+    from tempo.train.step import _batch_size, _real_tokens, to_device
+
+    ids, mask = _mask_and_ids()
+    if form == "dle-dict":
+        batch, real = {"input_ids": ids, "input_mask": mask, "segment_ids": torch.zeros_like(ids)}, 7
+    elif form == "hf-dict":
+        batch, real = {"input_ids": ids, "attention_mask": mask, "labels": ids}, 7
+    elif form == "batch-encoding":
+        transformers = pytest.importorskip("transformers")
+        batch, real = transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask}), 7
+    elif form == "bare-tensor":
+        batch, real = ids, 12  # no mask to read: every token counts
+    elif form == "tuple":
+        batch, real = (ids, mask), 12
+    else:
+        batch, real = [ids, torch.zeros_like(ids)], 12
+    assert _real_tokens(batch) == real
+    assert _batch_size(batch) == 3
+    moved = to_device(batch, torch.device("cpu"))
+    first = moved if isinstance(moved, torch.Tensor) else (moved["input_ids"] if isinstance(moved, dict) else moved[0])
+    assert torch.equal(first, ids)

@@ -123,17 +123,22 @@ class BertSelfAttention(nn.Module):
         self.head_size = config.head_size
         self.scale = 1.0 / math.sqrt(self.head_size)
         self.attention_impl = options.attention
-        self.dropout_p = config.attention_probs_dropout_prob
 
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
 
-        if options.attention == "eager":
-            self.dropout = nn.Dropout(self.dropout_p)
-        elif options.attention == "tempo":
+        # Every attention implementation reads its rate from this module at each forward, so setting
+        # .p on the model's nn.Dropout modules (TRL's disable_dropout_in_model) reaches all of them.
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        if options.attention == "tempo":
             from tempo.combined import Combined  # lazy: imports Triton only when used
-            self.combined = Combined(dim=-1, p=self.dropout_p)
+            self.combined = Combined(dim=-1, dropout=self.dropout)
+
+    @property
+    def dropout_p(self) -> float:
+        """The attention dropout rate: the nn.Dropout module's."""
+        return self.dropout.p
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, l, _ = x.shape

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 import math
 import multiprocessing
 import pickle
@@ -108,7 +109,9 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 # ---------------------------------------------------------------------------------------------
 def _loss(model: nn.Module, batch: Any) -> Any:
     """A user's batch through a user's model: keyword batch, positional batch, or one tensor."""
-    return model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (list, tuple)) else model(batch)
+    if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding
+        return model(**batch)
+    return model(*batch) if isinstance(batch, (list, tuple)) else model(batch)
 
 
 @dataclass

@@ -440,6 +440,29 @@ def packed_sequences(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Opti
     return found
 
 
+def packing_of_call(batch: int, length: int, kwargs: dict[str, Any], position_ids: Optional[Tensor],
+                    device: torch.device) -> Optional[tuple[Tensor, int]]:
+    """(cu_seqlens int32 on ``device``, max length) of a model call's padding-free batch — its
+    ``cu_seq_lens_q`` (and _k), else ``position_ids`` restarting — or None when it is not packed.
+    For models whose attention does not see those arguments (DeBERTa): read at the model's call,
+    with the same rules and caches as ``packed_sequences``."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        return _cu_from_kwargs(cu, kwargs.get("cu_seq_lens_k"), batch, length, device)
+    if not isinstance(position_ids, Tensor) or position_ids.shape[-1] != length or length <= 1:
+        return None
+    if position_ids.numel() not in (length, batch * length):
+        return None
+    found = _cu_from_positions(position_ids, batch)
+    if found is None or found[0].device == device:
+        return found
+    from tempo.ops.attention import remember_sequences, sequence_facts
+
+    moved = found[0].to(device)
+    remember_sequences(moved, sequence_facts(found[0]).offsets)
+    return moved, found[1]
+
+
 def _packing_mask(cu: Tensor, tokens: int, batch: int, device: torch.device) -> Tensor:
     """Bool [B, 1, L, L]: True where query and key are in the same packed sequence. Computed on
     the device (no host read), once per cu_seqlens tensor: every layer gets the same one."""

@@ -1111,13 +1111,24 @@ def _stock_per_sequence(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, is_
 class EfficientAttention(nn.Module):
     """``efficient_attention`` with the module's dropout probability and ``self.training``."""
 
-    def __init__(self, dropout_p: float = 0.0):
+    def __init__(self, dropout_p: float = 0.0, *, dropout: Optional[nn.Dropout] = None):
         super().__init__()
-        self.dropout_p = check_probability(dropout_p, "dropout_p", "EfficientAttention")
+        if dropout is None:
+            dropout = nn.Dropout(check_probability(dropout_p, "dropout_p", "EfficientAttention"))
+        # Rate and train flag read from this nn.Dropout at every forward (as nn.Dropout reads its own).
+        self.dropout = dropout
+
+    @property
+    def dropout_p(self) -> float:
+        return self.dropout.p
+
+    @dropout_p.setter
+    def dropout_p(self, value: float) -> None:
+        self.dropout.p = check_probability(value, "dropout_p", "EfficientAttention")
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False, scale: Optional[float] = None) -> Tensor:
-        return efficient_attention(q, k, v, attn_mask, self.dropout_p, is_causal, scale, self.training)
+        return efficient_attention(q, k, v, attn_mask, float(self.dropout.p), is_causal, scale, self.dropout.training)
 
     def extra_repr(self) -> str:
         return f"dropout_p={self.dropout_p}"

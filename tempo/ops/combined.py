@@ -613,15 +613,30 @@ class Combined(nn.Module):
     backward only the softmax output, ``v`` and an 8-byte seed.
     """
 
-    def __init__(self, dim: int = -1, p: float = 0.1):
+    def __init__(self, dim: int = -1, p: float = 0.1, *, dropout: Optional[nn.Dropout] = None):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"Combined: argument 'dim' must be an int, got {type(dim).__name__}")
         self.dim = dim
-        self.p = check_probability(p, "p", "Combined")
+        if dropout is None:
+            dropout = nn.Dropout(check_probability(p, "p", "Combined"))
+        elif not isinstance(dropout, nn.Dropout):
+            raise TypeError(f"Combined: argument 'dropout' must be an nn.Dropout, got {type(dropout).__name__}")
+        # Rate and train flag read at every forward from this nn.Dropout (as nn.Dropout reads its own):
+        # setting .p on a model's nn.Dropout modules (TRL's disable_dropout_in_model) reaches it.
+        self.dropout = dropout
+
+    @property
+    def p(self) -> float:
+        """The dropout rate: the held nn.Dropout's."""
+        return self.dropout.p
+
+    @p.setter
+    def p(self, value: float) -> None:
+        self.dropout.p = check_probability(value, "p", "Combined")
 
     def forward(self, x: Tensor, v: Tensor) -> Tensor:
-        return combined_softmax_dropout_matmul(x, v, self.dim, self.p, self.training)
+        return combined_softmax_dropout_matmul(x, v, self.dim, float(self.dropout.p), self.dropout.training)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, p={self.p}"

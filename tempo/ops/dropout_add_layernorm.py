@@ -606,18 +606,32 @@ class DropoutAddLayerNorm(LayerNormParameters):
     Double backward is not supported.
     """
 
-    __constants__ = LayerNormParameters.__constants__ + ["p"]
-    p: float
-
-    def __init__(self, normalized_shape: _ShapeLike, p: float, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, device=None, dtype=None) -> None:
-        p = check_probability(p, "p", "DropoutAddLayerNorm")
+    def __init__(self, normalized_shape: _ShapeLike, p: float = 0.0, eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, device=None, dtype=None, *,
+                 dropout: Optional[nn.Dropout] = None) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype, op=OP_NAME)
-        self.p = p
+        if dropout is None:
+            dropout = nn.Dropout(check_probability(p, "p", "DropoutAddLayerNorm"))
+        elif not isinstance(dropout, nn.Dropout):
+            raise TypeError(f"DropoutAddLayerNorm: argument 'dropout' must be an nn.Dropout, got {type(dropout).__name__}")
+        # The rate and the train flag are read from this module at every forward, as nn.Dropout reads
+        # its own: setting .p on every nn.Dropout of a model (TRL's disable_dropout_in_model), or
+        # eval() on it, changes this layer's dropout too. apply_tempo passes the block's own module.
+        self.dropout = dropout
+
+    @property
+    def p(self) -> float:
+        """The dropout rate: the held nn.Dropout's."""
+        return self.dropout.p
+
+    @p.setter
+    def p(self, value: float) -> None:
+        self.dropout.p = check_probability(value, "p", "DropoutAddLayerNorm")
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         return dropout_add_layernorm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps,
-                                     self.p, self.training, name=self.tempo_name or type(self).__name__)
+                                     float(self.dropout.p), self.dropout.training,
+                                     name=self.tempo_name or type(self).__name__)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, p={self.p}"

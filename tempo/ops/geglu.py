@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tempo.ops._backend import needs_backward
+from tempo.ops._backend import log_fallback_once, needs_backward
 
 _OP = "geglu_linear"
 
@@ -103,11 +103,15 @@ class GegluMLP(nn.Module):
             self.config = old.config
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return geglu_linear(self.Wi(hidden_states), self.Wo.weight, self.Wo.bias, self.approximate)
-
-    def _tempo_restore(self, original: nn.Module) -> None:
-        """revert_tempo: the original MLP gets this one's current submodules back."""
-        original.Wi, original.act, original.drop, original.Wo = self.Wi, self.act, self.drop, self.Wo
+        h = self.Wi(hidden_states)
+        if self.drop.training and self.drop.p > 0.0:
+            # The held nn.Dropout was switched on after the swap: dropout between the product and
+            # Wo cannot be fused, so the stock computation runs while it is on (logged once).
+            log_fallback_once(f"{_OP}:dropout", f"{_OP}: the GeGLU MLP's dropout is on (p = {self.drop.p}); "
+                              "it runs the stock computation while it is (dropout cannot be fused with Wo)")
+            a, g = h.chunk(2, dim=-1)
+            return self.Wo(self.drop(self.act(a) * g))
+        return geglu_linear(h, self.Wo.weight, self.Wo.bias, self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

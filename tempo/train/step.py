@@ -44,6 +44,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -58,10 +59,11 @@ LossFn = Callable[[nn.Module, Any], Any]
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Tensors of a batch (a tensor, dict, list or tuple of them) moved to ``device``."""
+    """Tensors of a batch (a tensor, a mapping such as a dict or transformers' BatchEncoding, a list
+    or tuple of them) moved to ``device``; a mapping comes back as a dict."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
@@ -76,23 +78,29 @@ def _loss_of(out: Any) -> torch.Tensor:
 _MASK_KEYS = ("input_mask", "attention_mask")  # DLE's and transformers' names for the 0/1 padding mask
 
 
+def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
 def _real_tokens(batch: Any) -> int:
     """Real (non-padding) tokens of a batch, counted on the host before it moves to the device
-    (no sync); every token of its first tensor when it carries no padding mask."""
-    if isinstance(batch, dict):
+    (no sync): the non-zeros of its padding mask (``input_mask`` or ``attention_mask``) in a mapping
+    (a dict, transformers' BatchEncoding); else every element of its first tensor (a bare tensor of
+    ids, a tuple or list whose first tensor is the ids: no mask to read)."""
+    if isinstance(batch, Mapping):
         for key in _MASK_KEYS:
             if isinstance(batch.get(key), torch.Tensor):
                 return int(batch[key].count_nonzero())
-    first = batch if isinstance(batch, torch.Tensor) else (
-        next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
-    return first.numel() if isinstance(first, torch.Tensor) else 0
+    first = _first_tensor(batch)
+    return first.numel() if first is not None else 0
 
 
 def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return _batch_size(first)
+    first = _first_tensor(batch)
+    return first.shape[0] if first is not None and first.dim() > 0 else 0
 
 
 @dataclass
