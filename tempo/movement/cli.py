@@ -16,7 +16,8 @@ from tempo.movement.declarations import CLASSES, CONTRACTION, ELEMENTWISE, NORMA
 from tempo.movement.projection import CALIBRATION, Fit, fit_factors, gpus
 from tempo.movement.report import (REFERENCE_GPU, Summary, fmt_bytes, per_op_rows, record, relative, summarize,
                                    target_of)
-from tempo.movement.workloads import CHOICES, HF_VARIANTS, Workload, layer_workload, model_workload
+from tempo.movement.workloads import (CHOICES, DEBERTA_VARIANTS, HF_VARIANTS, Workload, deberta_workload,
+                                     layer_workload, model_workload)
 
 _SHORT = {CONTRACTION: "GEMM", NORMALIZATION: "norm", ELEMENTWISE: "elem"}
 # The calibration points' workloads: what each published time measures.
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "positions + NSP) per choice")
     parser.add_argument("--hf", action="store_true",
                         help="also count transformers' BertForPreTraining (eager, sdpa, after apply_tempo: paper, floor)")
+    parser.add_argument("--deberta", action="store_true",
+                        help="also count one DeBERTa-v3-large layer in a stack (transformers' eager model; after "
+                             "apply_tempo with the Combined core; after apply_tempo: the O(s) disentangled attention)")
     parser.add_argument("--components", action="store_true",
                         help="also compare each Tempo layer with the stock ops it replaces, alone")
     parser.add_argument("--per-op", action="store_true", help="print every op's kernels for each layer counted")
@@ -217,6 +221,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print("  projected sequences/s: " + "; ".join(
                     f"{s.workload.label}: " + ", ".join(f"{g} {model_batch / s.projected_ms[g] * 1e3:.0f}"
                                                        for g in s.projected_ms) for s in steps))
+        if args.deberta:
+            rows = [s for s in (count(n, lambda d, n=n: deberta_workload(n, batch, seq_len, dtype=d))
+                                for n in DEBERTA_VARIANTS) if s is not None]
+            if rows:
+                print(_table(f"One DeBERTa-v3-large layer in a stack (h = 1024, 16 heads, 256 position buckets, "
+                             f"c2p + p2c, dropout 0.1), s = {seq_len}, b = {batch}:", rows, fit, rows[0], hidden))
         if args.components:
             print(_component_lines(batch, seq_len, reference))
     if not_counted:

@@ -8,8 +8,8 @@ trace) at the cost of two small traces.
 
 Inputs mirror what ``BertModel.forward`` hands a layer: the layer input in the autocast dtype
 when a Tempo LayerNorm produced it (fp32 from ``nn.LayerNorm`` under autocast); no attention mask
-for sdpa and the efficient attention when nothing is padded, the additive mask (autocast dtype)
-otherwise; with ``unpad`` the T real tokens and their ``TokenLayout``. A padded batch has every
+for sdpa and the efficient attention when nothing is padded, a bool key-padding mask for the
+efficient attention and the additive mask (autocast dtype) otherwise; with ``unpad`` the T real tokens and their ``TokenLayout``. A padded batch has every
 sequence ``round(s · (1 − padding_share))`` real tokens long (right padding).
 """
 
@@ -81,11 +81,15 @@ def padding_mask(batch: int, seq_len: int, padding_share: float) -> torch.Tensor
 
 
 def _layer_mask(choice: TempoChoice, attention_mask: torch.Tensor, layout, dtype: torch.dtype):
-    """The mask BertModel.forward hands its layers (see its forward)."""
-    from tempo.bert.model import additive_attention_mask
+    """The mask BertModel.forward hands its layers (see its forward): none for sdpa and the
+    efficient attention when nothing is padded or the batch is unpadded, a bool key-padding mask for
+    the efficient attention, the additive one otherwise."""
+    from tempo.bert.model import additive_attention_mask, key_padding_mask
 
     if choice.attention in ("sdpa", "efficient") and (layout is not None or bool(attention_mask.all())):
         return None
+    if choice.attention == "efficient":
+        return key_padding_mask(attention_mask)
     return additive_attention_mask(attention_mask, dtype)
 
 
@@ -246,5 +250,49 @@ def model_workload(name: str, task: str, batch: int, seq_len: int, *, layers: Op
     return workload
 
 
-__all__ = ["CHOICES", "HF_VARIANTS", "Workload", "adam_update", "layer_workload", "model_workload", "padding_mask",
+# DeBERTa-v3-large (microsoft/deberta-v3-large's config) as transformers builds it, and after apply_tempo.
+DEBERTA_VARIANTS = ("deberta-eager", "deberta-tempo-combined", "deberta-tempo")
+
+
+def _deberta_config(layers: int):
+    import transformers
+
+    return transformers.DebertaV2Config(
+        vocab_size=128100, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16, intermediate_size=4096,
+        relative_attention=True, position_buckets=256, max_relative_positions=-1, max_position_embeddings=512,
+        pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
+        type_vocab_size=0, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, num_labels=2)
+
+
+def deberta_workload(name: str, batch: int, seq_len: int, *, padding_share: float = 0.0,
+                     dtype: torch.dtype = torch.bfloat16) -> Workload:
+    """One DeBERTa-v3-large encoder layer in a stack (a DebertaV2ForSequenceClassification step
+    traced with 2 and 1 layers, counted as the difference), training mode, dropout on: transformers'
+    eager model ("deberta-eager"), after ``apply_tempo(model, attention="tempo")`` (Combined core) or
+    ``apply_tempo(model)`` (the O(s) disentangled attention)."""
+    import transformers
+
+    from tempo.integrations.patch import apply_tempo
+
+    if name not in DEBERTA_VARIANTS:
+        raise ValueError(f"unknown DeBERTa variant {name!r}; choose one of {DEBERTA_VARIANTS}")
+    mask = padding_mask(batch, seq_len, padding_share)
+    inputs = {"input_ids": torch.zeros(batch, seq_len, dtype=torch.int64), "attention_mask": mask,
+              "labels": torch.zeros(batch, dtype=torch.int64)}
+
+    def factory(layers: int):
+        def build():
+            model = transformers.DebertaV2ForSequenceClassification(_deberta_config(layers))
+            if name == "deberta-tempo-combined":
+                apply_tempo(model, attention="tempo")
+            elif name == "deberta-tempo":
+                apply_tempo(model)
+            return model
+        return build
+
+    parts = [(trace_model(factory(2), inputs, dtype), 1.0), (trace_model(factory(1), inputs, dtype), -1.0)]
+    return Workload(name, "layer", batch, seq_len, 1, int(mask.sum()), padding_share, parts)
+
+
+__all__ = ["CHOICES", "DEBERTA_VARIANTS", "HF_VARIANTS", "Workload", "deberta_workload", "adam_update", "layer_workload", "model_workload", "padding_mask",
            "trace_layer", "trace_model"]
