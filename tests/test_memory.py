@@ -176,3 +176,26 @@ def test_cli_prints_every_table_with_readable_headers(capsys):
                    "| model | s | HF eager | HF + apply_tempo(model) | saved |"):
         assert header in out
     assert "| MiniLM-L6 (BERT, h=384) | 16 |" in out and "Left out" not in out
+
+
+def test_largest_batch_table_fake_count_equals_the_real_ledger(monkeypatch, capsys):
+    """The whole-encoder rows (per sequence, the largest batch in a budget) are the same counted on
+    fake or on real tensors, and the largest batch follows the main job's rule."""
+    pytest.importorskip("transformers")
+    from tempo.bench import ledger_table as table
+
+    label, cls, fields = table.FAMILIES["deberta-v3-large"]
+    monkeypatch.setitem(table.FAMILIES, "deberta-v3-large",
+                        (label, cls, dict(fields, hidden_size=64, num_attention_heads=1, intermediate_size=128)))
+    monkeypatch.setitem(table.FAMILY_DEPTH, "deberta-v3-large", (3, 500))
+    budget = 64 << 20
+    fake = table.family_batch_rows(budget, 32, ("deberta-v3-large",), fake=True)
+    real = table.family_batch_rows(budget, 32, ("deberta-v3-large",), fake=False)
+    assert fake == real
+    row = fake[0]
+    assert row["after"]["per_sequence"] < row["before"]["per_sequence"]
+    assert row["after"]["largest"] > row["before"]["largest"] > 0
+    assert "| DeBERTa-v3-large (h=1024) | 3 | 32 |" in table.format_batch_table(fake)
+    with pytest.raises(SystemExit) as exc:
+        main(["--budget", "lots"])
+    assert exc.value.code == 2 and "--budget" in capsys.readouterr().err

@@ -345,6 +345,63 @@ def family_table(seq_lens=(128, 512), dtype: torch.dtype = torch.bfloat16, devic
     return format_family_table(family_rows(seq_lens, families, dtype, device, fake))
 
 
+# -- the largest batch a budget holds, whole encoders at their published depth -------------------
+# (published layers, vocabulary) of each family: the whole encoder (transformers' AutoModel) is counted.
+FAMILY_DEPTH = {"minilm": (6, 30522), "deberta-v3-large": (24, 128100), "modernbert-large": (28, 50368)}
+DEFAULT_BUDGET = "24GiB"  # a 24 GB GPU (RTX 3090/4090, L4, A10)
+BATCH_COLUMNS = ("model", "layers", "s", "HF eager: kept per sequence", "largest batch",
+                 "HF + apply_tempo(model): kept per sequence", "largest batch", "Tempo / stock")
+
+
+def family_batch_rows(budget: int, seq_len: int = 512, families: Iterable[str] = tuple(FAMILIES),
+                      dtype: torch.dtype = torch.bfloat16, device: str = "cpu", fake: Optional[bool] = None,
+                      tick: Tick = None) -> list[dict[str, Any]]:
+    """Per family, the whole encoder at its published depth before and after apply_tempo(model): the
+    bytes one more sequence keeps (batch 2 minus batch 1, the ledger), the fixed bytes (batch 1 minus
+    that: autocast's weight copies, batch-independent position tables) and the largest batch whose
+    activations plus fp32 weights, gradients and Adam moments (16 bytes per parameter) fit ``budget``:
+    the main job's rule. Allocator caches and workspaces are not counted (a GPU keeps some)."""
+    import transformers
+
+    from tempo.integrations.patch import apply_tempo
+
+    rows = []
+    for family in families:
+        _label, cls_name, fields = FAMILIES[family]
+        layers, vocab = FAMILY_DEPTH[family]
+        row = {"family": family, "layers": layers, "seq_len": seq_len}
+        for patched in (False, True):
+            build = _Builder(_use_fake(fake, device), device)
+            config = getattr(transformers, cls_name)(vocab_size=vocab, num_hidden_layers=layers,
+                                                     attn_implementation="eager", **fields)
+            model = build.module(lambda: transformers.AutoModel.from_config(config), apply_tempo if patched else None)
+            parameters = sum(p.numel() for p in model.parameters())
+            kept = {}
+            for batch in (1, 2):
+                ids = torch.randint(3, vocab, (batch, seq_len), device=device)
+                kept[batch] = build.ledger(model, lambda: model(input_ids=ids), dtype).activation_bytes
+            per_sequence = kept[2] - kept[1]
+            fixed = kept[1] - per_sequence
+            largest = max(0, int((budget - 16 * parameters - fixed) // per_sequence))
+            row["after" if patched else "before"] = {"per_sequence": per_sequence, "largest": largest}
+            if tick:
+                tick()
+        rows.append(row)
+    return rows
+
+
+def format_batch_table(rows: list[dict[str, Any]]) -> str:
+    from tempo.utils import format_bytes
+
+    lines = ["| " + " | ".join(BATCH_COLUMNS) + " |", "|" + "---|" * len(BATCH_COLUMNS)]
+    for r in rows:
+        b, a = r["before"], r["after"]
+        lines.append(f"| {FAMILIES[r['family']][0]} | {r['layers']} | {r['seq_len']} | "
+                     f"{format_bytes(b['per_sequence'])} | {b['largest']} | {format_bytes(a['per_sequence'])} | "
+                     f"{a['largest']} | {a['largest'] / max(1, b['largest']):.1f}x |")
+    return "\n".join(lines)
+
+
 # -- the command ----------------------------------------------------------------------------
 def _seq_len(text: str) -> int:
     valid = f"valid: an integer from 1 to {MAX_SEQ_LEN} (BERT-large's and DeBERTa-v3's position tables)"
@@ -398,9 +455,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="leave out transformers' columns and the families table")
     parser.add_argument("--no-stack", action="store_true", help="leave out the per-added-layer (stack) table")
     parser.add_argument("--no-families", action="store_true",
-                        help="leave out the MiniLM / DeBERTa-v3-large / ModernBERT-large table")
+                        help="leave out the MiniLM / DeBERTa-v3-large / ModernBERT-large tables")
+    parser.add_argument("--budget", default=DEFAULT_BUDGET,
+                        help=f"memory budget of the largest-batch table (default {DEFAULT_BUDGET}: a 24 GB GPU)")
     args = parser.parse_args(argv)
     families = _families(parser, args.families)
+    from tempo.utils import parse_bytes
+
+    try:
+        budget = parse_bytes(args.budget)
+    except ValueError as exc:
+        parser.error(f"--budget: {exc}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.device != "cpu" and args.device.split(":")[0] != "cuda":
         parser.error(f"--device {args.device}: unknown device; valid: cpu, cuda, cuda:N")
@@ -426,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_stack:
         left_out.append("the per-added-layer table (--no-stack)")
     jobs = len(seq_lens) * (len(layer_variants) + (0 if args.no_stack else len(stack_variants))
-                            + (2 * len(families) if show_families else 0))
+                            + (2 * len(families) if show_families else 0)) + (2 * len(families) if show_families else 0)
+    batch_len = max(seq_lens)
 
     with _progress(jobs) as bar:
         rows = ledger_table(seq_lens, variants=layer_variants, dtype=dtype, device=args.device, fake=fake,
@@ -435,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        device=args.device, fake=fake, tick=bar.update)
         fams = family_rows(seq_lens, families, dtype=dtype, device=args.device, fake=fake,
                            tick=bar.update) if show_families else None
+        batches = family_batch_rows(budget, batch_len, families, dtype=dtype, device=args.device, fake=fake,
+                                    tick=bar.update) if show_families else None
 
     how = "counted on fake tensors (exact: bytes depend on shapes, not values)" if fake else \
         f"counted on real tensors on {args.device}"
@@ -454,6 +522,13 @@ def main(argv: list[str] | None = None) -> int:
               "units of each\nmodel's h, before and after apply_tempo(model); dropout as each family ships "
               "(BERT/DeBERTa 0.1, ModernBERT 0):")
         print(format_family_table(fams))
+    if batches is not None:
+        from tempo.utils import format_bytes
+
+        print(f"\nThe largest batch at s = {batch_len} in {format_bytes(budget)}: each whole encoder at its published depth "
+              f"(transformers' AutoModel),\nactivations by the ledger plus fp32 weights, gradients and Adam moments "
+              f"(16 bytes per parameter); allocator caches and\nworkspaces are not counted:")
+        print(format_batch_table(batches))
     print("\n'original' is nn.GELU, nn.LayerNorm and eager attention; 'Tempo (paper's 3 layers)' In-place GELU, "
           "In-place LayerNorm\nand Combined; 'Tempo (all layers)' adds efficient attention and DropoutAddLayerNorm "
           "(--tempo, apply_tempo's default).")
