@@ -67,7 +67,7 @@ def test_family_table_shows_what_apply_tempo_saves():
 
     text = family_table(seq_lens=(16,))
     rows = [line for line in text.splitlines() if line.startswith("| ") and "| 16 |" in line]
-    assert len(rows) == 3  # MiniLM, DeBERTa-v3-large, ModernBERT-large
+    assert len(rows) == 4  # BERT-large, MiniLM, DeBERTa-v3-large, ModernBERT-large
     for row in rows:
         before, after = (float(cell.strip().rstrip(" h")) for cell in row.split("|")[3:5])
         assert 0 < after < before, row
@@ -144,7 +144,7 @@ def test_unknown_family_or_length_is_named_with_the_valid_ones(capsys):
         main(["--families", "minilm", "bert-base"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown family 'bert-base'" in err and "minilm, deberta-v3-large, modernbert-large" in err
+    assert "unknown family 'bert-base'" in err and "bert-large, minilm, deberta-v3-large, modernbert-large" in err
     for bad, said in (("1024", "sequence length 1024 is out of range"), ("0", "sequence length 0 is out of range"),
                       ("long", "'long' is not a sequence length")):
         with pytest.raises(SystemExit) as exc:

@@ -277,6 +277,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 # values): key -> (row label, config class, fields). ModernBERT's second layer is a sliding-window one
 # (global every 3).
 FAMILIES = {
+    "bert-large": ("BERT-large (h=1024)", "BertConfig",
+                   dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096)),
     "minilm": ("MiniLM-L6 (BERT, h=384)", "BertConfig",
                dict(hidden_size=384, num_attention_heads=12, intermediate_size=1536)),
     "deberta-v3-large": ("DeBERTa-v3-large (h=1024)", "DebertaV2Config", dict(
@@ -347,7 +349,7 @@ def family_table(seq_lens=(128, 512), dtype: torch.dtype = torch.bfloat16, devic
 
 # -- the largest batch a budget holds, whole encoders at their published depth -------------------
 # (published layers, vocabulary) of each family: the whole encoder (transformers' AutoModel) is counted.
-FAMILY_DEPTH = {"minilm": (6, 30522), "deberta-v3-large": (24, 128100), "modernbert-large": (28, 50368)}
+FAMILY_DEPTH = {"bert-large": (24, 30522), "minilm": (6, 30522), "deberta-v3-large": (24, 128100), "modernbert-large": (28, 50368)}
 DEFAULT_BUDGET = "24GiB"  # a 24 GB GPU (RTX 3090/4090, L4, A10)
 BATCH_COLUMNS = ("model", "layers", "s", "HF eager: kept per sequence", "largest batch",
                  "HF + apply_tempo(model): kept per sequence", "largest batch", "Tempo / stock")
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tempo.memory",
         description="Bytes autograd keeps for backward per token per encoder layer (units of h): one BERT-large "
-                    "layer alone, per added layer in a stack, and transformers' MiniLM / DeBERTa-v3-large / "
+                    "layer alone, per added layer in a stack, and transformers' BERT-large / MiniLM / DeBERTa-v3-large / "
                     "ModernBERT-large before and after apply_tempo(model). Counted on fake tensors on the CPU "
                     "(exact, seconds); --real counts on real tensors (minutes, gigabytes; the same numbers).",
     )
@@ -455,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="leave out transformers' columns and the families table")
     parser.add_argument("--no-stack", action="store_true", help="leave out the per-added-layer (stack) table")
     parser.add_argument("--no-families", action="store_true",
-                        help="leave out the MiniLM / DeBERTa-v3-large / ModernBERT-large tables")
+                        help="leave out the transformers families' tables")
     parser.add_argument("--budget", default=DEFAULT_BUDGET,
                         help=f"memory budget of the largest-batch table (default {DEFAULT_BUDGET}: a 24 GB GPU)")
     args = parser.parse_args(argv)
