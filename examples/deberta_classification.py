@@ -41,7 +41,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from hf_trainer_mlm import NEEDS_ACCELERATE, accelerate_available, corpus_documents, tokenizer_from_minilm  # noqa: E402
+from hf_trainer_mlm import (NEEDS_ACCELERATE, accelerate_available, corpus_documents, non_negative_int,  # noqa: E402
+                            positive_int, tokenizer_from_minilm)
 
 VARIANTS = ("stock", "tempo")
 KINDS = {"is a city": "city", "is a country": "country", "is a river": "river", "was a": "person",
@@ -129,20 +130,6 @@ def train_once(args, variant: str, model, dataset) -> dict[str, float]:
     return {"final_loss": losses[-1], "mean_loss": sum(losses) / len(losses),
             "samples_per_second": args.max_steps * args.per_device_train_batch_size / (time.perf_counter() - start),
             "train_runtime": result.metrics["train_runtime"]}
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,20 @@ NEEDS_ACCELERATE = ("The HF Trainer needs the `accelerate` package, which is not
                     "does not need it.")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def accelerate_available() -> bool:
     from transformers.utils import is_accelerate_available
 

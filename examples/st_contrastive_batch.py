@@ -46,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from hf_trainer_mlm import NEEDS_ACCELERATE, accelerate_available  # noqa: E402
+from hf_trainer_mlm import NEEDS_ACCELERATE, accelerate_available, non_negative_int, positive_int  # noqa: E402
 
 VARIANTS = ("stock", "tempo")
 REPLAY_TOLERANCE = 1e-5  # relative L2; fp32 reorderings stay far below, one different mask far above
@@ -272,20 +272,6 @@ def format_check(variant: str, r: dict[str, Any]) -> str:
 
 
 # -- main ----------------------------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=VARIANTS, default=None, help="train one variant (default: both)")

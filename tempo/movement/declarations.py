@@ -733,9 +733,9 @@ def _disentangled_forward(call: OpCall, target: Target) -> list[Kernel]:
     fp32 (m, log l) per row and head."""
     from tempo.ops.disentangled_attention import triton_tiles
 
-    q, v = call.arg("q"), call.arg("v")
+    q = call.arg("q")
     geo = _disentangled_geometry(call)
-    m, n, w, _, _ = triton_tiles("fwd", call.arg("q").dtype)
+    m, n, w, _, _ = triton_tiles("fwd", q.dtype)
     es, out = q.itemsize, call.tensor_outputs()[0]
     rows_in = geo.tokens * geo.heads * (2 * geo.d + geo.d_v) * es
     read = rows_in + _disentangled_common_reads(geo, es, m, n)
@@ -755,9 +755,9 @@ def _disentangled_backward(call: OpCall, target: Target) -> list[Kernel]:
     tempo.ops.disentangled_attention.backward_plan for ``target`` (its CPU sizing on the interpreter)."""
     from tempo.ops.disentangled_attention import backward_plan, triton_tiles
 
-    q, v, grad = call.arg("q"), call.arg("v"), call.arg("grad_out")
+    q, grad = call.arg("q"), call.arg("grad_out")
     geo = _disentangled_geometry(call)
-    m, n, w, _, _ = triton_tiles("bwd", call.arg("q").dtype, geo.c2p or geo.p2c)
+    m, n, w, _, _ = triton_tiles("bwd", q.dtype, geo.c2p or geo.p2c)
     es = q.itemsize
     groups, tpp, progs_q, progs_k = backward_plan(len(geo.lengths), geo.max_len, geo.heads, geo.d, geo.span,
                                                   geo.c2p, geo.p2c, target.sms is not None, q.dtype)

@@ -143,6 +143,18 @@ def check_probability(p: object, arg: str, op: str) -> float:
     return float(p)
 
 
+def held_dropout(p: object, dropout: object, op: str) -> torch.nn.Dropout:
+    """The ``nn.Dropout`` a Tempo module drops out with: ``dropout`` when given (apply_tempo passes the
+    module it replaced), else a new one of rate ``p``. The module reads its rate and train flag at
+    every forward, as ``nn.Dropout`` reads its own: setting ``.p`` on a model's nn.Dropout modules
+    (TRL's ``disable_dropout_in_model``) or ``eval()`` on one reaches the Tempo layer too."""
+    if dropout is None:
+        return torch.nn.Dropout(check_probability(p, "p", op))
+    if not isinstance(dropout, torch.nn.Dropout):
+        raise TypeError(f"{op}: argument 'dropout' must be an nn.Dropout, got {type(dropout).__name__}")
+    return dropout
+
+
 def autocast_dtype_for(t: torch.Tensor) -> torch.dtype | None:
     """The dtype torch.autocast would run matmuls in on ``t``'s device, or None if autocast is off."""
     device_type = t.device.type

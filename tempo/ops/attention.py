@@ -146,7 +146,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from tempo.ops._backend import check_float_tensor, check_probability, needs_backward, requested_backend
+from tempo.ops._backend import (check_float_tensor, check_probability, held_dropout, needs_backward,
+                                requested_backend)
 
 _OP = "efficient_attention"
 # Tile sizes of the reference path. They fix the layout of the dropout mask's random stream, so
@@ -1113,10 +1114,7 @@ class EfficientAttention(nn.Module):
 
     def __init__(self, dropout_p: float = 0.0, *, dropout: Optional[nn.Dropout] = None):
         super().__init__()
-        if dropout is None:
-            dropout = nn.Dropout(check_probability(dropout_p, "dropout_p", "EfficientAttention"))
-        # Rate and train flag read from this nn.Dropout at every forward (as nn.Dropout reads its own).
-        self.dropout = dropout
+        self.dropout = held_dropout(dropout_p, dropout, "EfficientAttention")  # read at every forward
 
     @property
     def dropout_p(self) -> float:

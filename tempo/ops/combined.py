@@ -76,6 +76,7 @@ from tempo.ops._backend import (
     autocast_dtype_for,
     check_float_tensor,
     check_probability,
+    held_dropout,
     launch_on,
     log_fallback_once,
     needs_backward,
@@ -618,13 +619,7 @@ class Combined(nn.Module):
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"Combined: argument 'dim' must be an int, got {type(dim).__name__}")
         self.dim = dim
-        if dropout is None:
-            dropout = nn.Dropout(check_probability(p, "p", "Combined"))
-        elif not isinstance(dropout, nn.Dropout):
-            raise TypeError(f"Combined: argument 'dropout' must be an nn.Dropout, got {type(dropout).__name__}")
-        # Rate and train flag read at every forward from this nn.Dropout (as nn.Dropout reads its own):
-        # setting .p on a model's nn.Dropout modules (TRL's disable_dropout_in_model) reaches it.
-        self.dropout = dropout
+        self.dropout = held_dropout(p, dropout, "Combined")  # its rate and flag are read at every forward
 
     @property
     def p(self) -> float:

@@ -70,6 +70,7 @@ from tempo.ops._backend import (
     autocast_dtype_for,
     check_float_tensor,
     check_probability,
+    held_dropout,
     launch_on,
     needs_backward,
     resolve_backend,
@@ -610,14 +611,8 @@ class DropoutAddLayerNorm(LayerNormParameters):
                  elementwise_affine: bool = True, bias: bool = True, device=None, dtype=None, *,
                  dropout: Optional[nn.Dropout] = None) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype, op=OP_NAME)
-        if dropout is None:
-            dropout = nn.Dropout(check_probability(p, "p", "DropoutAddLayerNorm"))
-        elif not isinstance(dropout, nn.Dropout):
-            raise TypeError(f"DropoutAddLayerNorm: argument 'dropout' must be an nn.Dropout, got {type(dropout).__name__}")
-        # The rate and the train flag are read from this module at every forward, as nn.Dropout reads
-        # its own: setting .p on every nn.Dropout of a model (TRL's disable_dropout_in_model), or
-        # eval() on it, changes this layer's dropout too. apply_tempo passes the block's own module.
-        self.dropout = dropout
+        # apply_tempo passes the block's own module; its rate and flag are read at every forward.
+        self.dropout = held_dropout(p, dropout, "DropoutAddLayerNorm")
 
     @property
     def p(self) -> float:
