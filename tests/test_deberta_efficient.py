@@ -233,3 +233,21 @@ def test_the_classification_example_runs_and_reports_the_batch(tmp_path):
     bad = subprocess.run([sys.executable, str(examples / "deberta_classification.py"), "--memory_budget", "lots"],
                          cwd=examples, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--memory_budget" in bad.stderr
+
+
+def test_the_projects_unpadded_layout_reaches_deberta():
+    """A padded batch unpadded with tempo.unpad.TokenLayout (the layout the project's trainers use)
+    runs as one packed row with the layout's cu_seqlens: each sequence gets what the padded model
+    gives its real tokens, outputs and every gradient."""
+    from tempo.unpad import TokenLayout
+
+    torch.manual_seed(0)
+    patched = apply_tempo(deberta()).train()
+    ids, mask = padded_batch()
+    layout = TokenLayout.from_mask(mask)
+    row = layout.unpad(ids).unsqueeze(0)  # [1, T]: the real tokens, sequence after sequence
+    padded_out, padded_grads = run(patched, ids, mask)
+    packed_out, packed_grads = run(patched, row, cu_seq_lens_q=layout.cu_seqlens, cu_seq_lens_k=layout.cu_seqlens,
+                                   max_length_q=layout.max_seqlen, max_length_k=layout.max_seqlen)
+    assert relative_l2(layout.pad(packed_out[0])[mask.bool()], padded_out[mask.bool()]) < 1e-5
+    assert relative_l2(packed_grads, padded_grads) < 1e-5
