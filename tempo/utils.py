@@ -112,3 +112,29 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = orig
             continue
         return model
+
+
+def fake_parameters(module: nn.Module, mode: Any) -> nn.Module:
+    """``module`` (built on the meta device) with fake CPU parameters and buffers made in the
+    FakeTensorMode ``mode``, in place: no memory, the same shapes, strides and dtypes. A parameter
+    shared by several modules (tied embeddings) stays one parameter. (The ledger's and the movement
+    counter's fake sessions both build their models so.)"""
+    import torch
+
+    memo: dict[int, Any] = {}
+
+    def fake(t: Any) -> Any:
+        if id(t) not in memo:
+            with mode:
+                made = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+            memo[id(t)] = nn.Parameter(made, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else made
+        return memo[id(t)]
+
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                sub._parameters[name] = fake(param)
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None:
+                sub._buffers[name] = fake(buf)
+    return module

@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tempo.memory import ActivationLedger
+from tempo.utils import fake_parameters
 
 # A factory (no tensor inputs) whose output is at most this many elements runs for real, so that
 # host reads of masks, positions and seeds see values; larger ones stay fake.
@@ -105,23 +106,7 @@ class FakeSession:
             model = factory()
             if prepare is not None:
                 prepare(model)
-        memo: dict[int, Tensor] = {}
-
-        def fake(t: Tensor) -> Tensor:
-            if id(t) not in memo:
-                with self.mode:
-                    made = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-                memo[id(t)] = nn.Parameter(made, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
-                    else made
-            return memo[id(t)]
-
-        for sub in model.modules():
-            for name, param in list(sub._parameters.items()):
-                if param is not None:
-                    sub._parameters[name] = fake(param)
-            for name, buf in list(sub._buffers.items()):
-                if buf is not None:
-                    sub._buffers[name] = fake(buf)
+        fake_parameters(model, self.mode)
         return model
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,

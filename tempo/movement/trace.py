@@ -52,6 +52,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from tempo.utils import fake_parameters
+
 aten = torch.ops.aten
 
 # Factories whose output is at most this many elements run for real when nothing fake feeds them
@@ -422,24 +424,7 @@ class FakeSession:
     def fake_module(self, module: nn.Module) -> nn.Module:
         """``module`` (built on the meta device) with fake CPU parameters and buffers, in place.
         A parameter shared by several modules (tied embeddings) stays one parameter."""
-        memo: dict[int, Tensor] = {}
-
-        def fake(t: Tensor) -> Tensor:
-            if id(t) not in memo:
-                with self.mode:
-                    made = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-                memo[id(t)] = nn.Parameter(made, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
-                    else made
-            return memo[id(t)]
-
-        for sub in module.modules():
-            for name, param in list(sub._parameters.items()):
-                if param is not None:
-                    sub._parameters[name] = fake(param)
-            for name, buf in list(sub._buffers.items()):
-                if buf is not None:
-                    sub._buffers[name] = fake(buf)
-        return module
+        return fake_parameters(module, self.mode)
 
     def fake_tensor(self, shape, dtype=torch.float32, requires_grad: bool = False) -> Tensor:
         with self.mode:
