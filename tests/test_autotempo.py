@@ -159,6 +159,30 @@ def test_arguments_and_helpers():
     assert len(transformer_blocks(TinyStack(layers=3))) == 3
 
 
+def test_every_batch_form_reaches_the_model_as_the_trainers_pass_it():
+    """A dict and transformers' BatchEncoding (a Mapping, not a dict) as keywords; a tuple or list
+    positionally; one tensor alone."""
+    from tempo.integrations.autotempo import _loss
+
+    transformers = pytest.importorskip("transformers")  # the hf extra; CI installs it
+
+    class Recorder(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return args, kwargs
+
+    ids, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    encoding = transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask})
+    assert not isinstance(encoding, dict)
+    for batch in ({"input_ids": ids, "attention_mask": mask}, encoding):
+        args, kwargs = _loss(Recorder(), batch)
+        assert args == () and kwargs.keys() == {"input_ids", "attention_mask"} and kwargs["input_ids"] is ids
+    for batch in ((ids, mask), [ids, mask]):
+        args, kwargs = _loss(Recorder(), batch)
+        assert kwargs == {} and args[0] is ids and args[1] is mask
+    args, kwargs = _loss(Recorder(), ids)
+    assert kwargs == {} and len(args) == 1 and args[0] is ids
+
+
 @pytest.fixture
 def one_thread():
     before = torch.get_num_threads()

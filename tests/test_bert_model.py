@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tempo.bert.config import BertConfig, ConfigError
-from tempo.bert.model import (BertForPreTraining, BertForQuestionAnswering, BertModel, additive_attention_mask)
+from tempo.bert.model import (BertForPreTraining, BertForQuestionAnswering, BertModel, additive_attention_mask,
+                              key_padding_mask)
 from tempo.choices import TempoChoice
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,6 +294,10 @@ def test_fully_masked_sample_gives_no_nan(attention):
         additive = additive_attention_mask(mask, dtype)
         scores = torch.full((3, 2, 12, 12), -30000.0, dtype=dtype) + additive
         assert not torch.isnan(torch.softmax(scores.float(), -1)).any()
+        # The bool mask (sdpa, the fused kernels) says the same: the empty sample attends every
+        # position (a row of False is NaN or 0 depending on the backend), the others their tokens.
+        assert torch.equal(key_padding_mask(mask), additive == 0)
+        assert key_padding_mask(mask)[0].all()
 
 
 # ---------------------------------------------------------------------------------------------

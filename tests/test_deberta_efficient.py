@@ -137,6 +137,23 @@ def test_padding_free_batch_attends_within_each_sequence(form):
     assert relative_l2(crossed, alone) > 1e-3  # the stock model mixes the sequences
 
 
+def test_positional_arguments_are_read_as_the_models_forward_names_them():
+    """DebertaV2ForMaskedLM.forward(input_ids, attention_mask, token_type_ids, position_ids, ...):
+    a packed row's position_ids given positionally packs as the keyword does, and token_type_ids
+    given positionally are never taken for positions (all zeros would split every token apart)."""
+    torch.manual_seed(0)
+    patched = apply_tempo(deberta()).eval()
+    g = torch.Generator().manual_seed(1)
+    row = torch.randint(3, 100, (1, 30), generator=g)
+    positions = torch.cat([torch.arange(12), torch.arange(18)])[None]
+    types = torch.zeros_like(row)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(row, None, None, positions).logits,
+                                   patched(input_ids=row, position_ids=positions).logits)
+        torch.testing.assert_close(patched(row, None, types).logits, patched(input_ids=row).logits)
+        assert not torch.allclose(patched(input_ids=row, position_ids=positions).logits, patched(input_ids=row).logits)
+
+
 def test_padding_free_refuses_the_convolution_layer_and_padding():
     model = apply_tempo(deberta(conv_kernel_size=3))
     row = torch.randint(3, 100, (1, 12))
@@ -200,6 +217,32 @@ def test_calls_it_cannot_run_exactly_run_the_original_forward(caplog, monkeypatc
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert len(weights) == 2 and weights[0].shape == (3, 2, 40, 40)
     assert sum("runs the model's own attention" in m for m in caplog.messages) == 1
+
+
+def test_a_mask_or_positions_written_in_place_are_read_again():
+    """What the layer learns from a pair mask and from relative_pos is kept for the other layers of
+    the forward; a buffer refilled in place (static input buffers, as CUDA graph replays use) must be
+    read again: a new padding, and positions that are no longer the standard ones."""
+    torch.manual_seed(0)
+    stock = deberta().eval()
+    patched = apply_tempo(copy.deepcopy(stock)).eval()
+    layer_s, layer_t = (m.deberta.encoder.layer[0].attention.self for m in (stock, patched))
+    encoder = stock.deberta.encoder
+    hidden = torch.randn(3, 40, 32)
+    _, mask = padded_batch()
+    pairs = (mask[:, None, :] * mask[:, :, None])[:, None].clone()
+    positions = encoder.get_rel_pos(hidden).clone()
+    rel = encoder.get_rel_embedding()
+    refills = [(mask, None), (mask.flip(0), None), (mask, positions.flip(-1).clone())]
+    for refill, new_positions in refills:
+        pairs.copy_((refill[:, None, :] * refill[:, :, None])[:, None])
+        if new_positions is not None:
+            positions.copy_(new_positions)
+        with torch.no_grad():
+            got = layer_t(hidden, pairs, relative_pos=positions, rel_embeddings=rel)[0]
+            want = layer_s(hidden, pairs, relative_pos=positions, rel_embeddings=rel)[0]
+        real = refill.bool()
+        torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
 
 
 def test_each_layer_keeps_no_s_by_s_tensor():

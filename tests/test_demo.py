@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -44,6 +45,15 @@ def test_headline_comes_first_and_says_what_tempo_buys():
     assert "| original (padded)" in table and "| Tempo (real tokens only) vs original" in table
     results["tempo"]["tail_loss"] = 7.5
     assert "a loss 8% apart" in demo.headline(results, 8, state, 2**30, on_gpu=False)
+
+
+def test_tail_loss_is_the_last_fifth_of_the_run():
+    from tempo.tasks.demo import tail_loss
+
+    assert tail_loss([9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]) == (0.5, 2)
+    assert tail_loss([3.0, 2.0]) == (2.0, 1)
+    mean, count = tail_loss([])
+    assert math.isnan(mean) and count == 0
 
 
 def test_help_documents_quick(capsys):

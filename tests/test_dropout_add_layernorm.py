@@ -463,6 +463,30 @@ def test_ledger_autocast_keeps_output_rstd_and_seed_only(backend, device):
     assert stock_ledger.activation_bytes >= ledger.activation_bytes + rows * hidden * (1 + 4)
 
 
+def test_kept_columns_follow_the_output_dtype_not_the_inputs(backend, device):
+    """fp16 autocast over an fp32 residual stream: y is fp16 while x is fp32. |γ_0| = 1e-6 is
+    recoverable from an fp32 y but not from an fp16 one (below λ_D = 6.1e-5): column 0 is kept,
+    and every gradient matches the fp64 reference as for any other column."""
+    torch.manual_seed(0)
+    rows, n = 6, 16
+    module = make_module(n, 0.0, device)
+    with torch.no_grad():
+        module.weight[0], module.bias[0] = 1e-6, 0.0
+    x = torch.randn(rows, n, device=device, dtype=torch.float64).float().requires_grad_()
+    residual = torch.randn(rows, n, device=device, requires_grad=True)
+    grad = torch.randn(rows, n, device=device).half()
+    with ActivationLedger(module) as ledger, torch.autocast(device, dtype=torch.float16):
+        y = module(x, residual)
+    assert y.dtype == torch.float16
+    y.backward(grad)
+    kept = [r.shape for r in ledger.records if not r.is_parameter]
+    assert (rows, 1) in kept or (1,) in kept, kept  # the kept x̂ column (and its index)
+    ref = reference_fp64(x, residual, module.normalized_shape, module.weight, module.bias, module.eps, None, 0.0,
+                         grad)
+    err = (module.weight.grad[0].double() - ref[3][0]).abs() / (ref[3][0].abs() + 1)
+    assert err <= TOL[torch.float16], float(err)
+
+
 def test_ledger_without_autocast_keeps_no_input_and_no_mask(backend, device):
     module = make_module(10, 0.5, device)
     x = torch.randn(7, 10, device=device, requires_grad=True)

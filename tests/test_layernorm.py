@@ -718,6 +718,19 @@ def test_plan_is_made_once_per_parameter_version():
         assert _plan_reads(lambda: module(x).sum().backward()) == 0
 
 
+def test_plan_is_made_per_output_dtype():
+    """One layer run with fp32 output, then fp16 (autocast, say): |γ_2| = 1e-5 is recoverable in fp32
+    and below fp16's λ_D (6.1e-5), so the fp16 plan keeps column 2 and the fp32 plan does not."""
+    from tempo.ops.layernorm import cached_kept_columns, plan_kept_columns
+
+    module = InplaceLayerNorm(8)
+    with torch.no_grad():
+        module.weight[2] = 1e-5
+    for dtype, want in ((torch.float32, []), (torch.float16, [2]), (torch.float32, [])):
+        args = (module.weight, module.bias, dtype, 8, torch.device("cpu"), "ln")
+        assert cached_kept_columns(*args).tolist() == plan_kept_columns(*args).tolist() == want
+
+
 def test_plans_of_every_layer_refresh_in_one_read():
     """After an optimizer step every LayerNorm's plan is stale: the first forward refreshes all of
     them in one transfer, whatever the number of layers."""

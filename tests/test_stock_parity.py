@@ -160,6 +160,23 @@ def test_dropout_switched_back_on_drops_again():
     assert fused.LayerNorm.dropout is fused.dropout and fused.LayerNorm.p == 0.1
 
 
+def test_modernbert_mlp_dropout_switched_on_after_the_swap_is_the_stock_mlps():
+    """ModernBERT's MLP dropout (0 in its configs) switched on through its nn.Dropout after the
+    swap: the GeGLU MLP runs the stock computation, the same numbers as the stock model's at one
+    RNG state, gradients included."""
+    stock, patched = stock_and_patched("modernbert", attention_dropout=0.0)
+    for model in (stock, patched):
+        disable_by_hand(model)
+        for layer in model.model.layers:
+            layer.mlp.drop.p = 0.3
+    loss_s, grads_s = loss_and_grads(stock)
+    loss_t, grads_t = loss_and_grads(patched)
+    torch.testing.assert_close(loss_t, loss_s, rtol=1e-5, atol=1e-6)
+    assert total_relative_l2(grads_t, grads_s) < 1e-5
+    disable_by_hand(stock)
+    assert not torch.equal(loss_and_grads(stock)[0], loss_s)  # the switch really dropped
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Models built from one config
 # ---------------------------------------------------------------------------------------------
@@ -271,6 +288,25 @@ def test_apply_twice_nested_and_revert(family, choice):
     assert structure(direct) != structure(stock)
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("choice", list(CHOICES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_patched_in_a_mode_every_module_is_in_that_mode(family, choice, mode):
+    """from_pretrained returns a model in eval mode: patched so, it must not start dropping (every
+    module Tempo builds, its new parts included, takes the mode of the module it replaces), and one
+    patched in train mode must drop as the stock model does."""
+    torch.manual_seed(0)
+    stock = FAMILIES[family](attention_probs_dropout_prob=0.3, hidden_dropout_prob=0.3)
+    stock.train(mode == "train")
+    patched = copy.deepcopy(stock)
+    apply_tempo(patched, **CHOICES[choice])
+    wrong = [name for name, m in patched.named_modules() if m.training != (mode == "train")]
+    assert not wrong, f"patched in {mode} mode, these modules are not: {wrong}"
+    if mode == "eval":
+        with torch.no_grad():
+            torch.testing.assert_close(patched(**batch()).logits, stock(**batch()).logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_another_choice_on_a_patched_model_is_refused_with_nothing_changed(family):
     stock, patched = stock_and_patched(family)
@@ -320,6 +356,30 @@ def test_non_module_arguments_and_bad_options():
     with pytest.raises(ValueError, match="argument 'attention' must be"):
         apply_tempo(model, attention="flash")
     assert structure(model) == before and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_failure_while_applying_leaves_the_model_and_its_config_as_they_were(family, monkeypatch):
+    """apply_tempo is all or nothing: the last step failing (a model-level hook, after the swaps and
+    the attention switch) puts back every module, the original config objects and their attention."""
+    import dataclasses
+
+    import tempo.integrations.patch as patch_module
+
+    def failing_hook(model):
+        raise RuntimeError("hook failed")
+
+    every_recipe = patch_module.recipes
+    monkeypatch.setattr(patch_module, "recipes",
+                        lambda: [dataclasses.replace(r, model_hook=failing_hook) for r in every_recipe()])
+    model = FAMILIES[family]()
+    configs, before = {id(m): m.config for m in model.modules() if "config" in m.__dict__}, structure(model)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        apply_tempo(model)
+    assert structure(model) == before
+    assert all(m.config is configs[id(m)] for m in model.modules() if "config" in m.__dict__)
+    assert all(c._attn_implementation == "eager" for c in configs.values())
+    assert not any(tempo_patched(model).values())
 
 
 # ---------------------------------------------------------------------------------------------

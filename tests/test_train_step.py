@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from collections.abc import Mapping
+
 import pytest
 import torch
 from torch import nn
@@ -349,7 +351,8 @@ def _mask_and_ids():
     return ids, mask  # 7 real tokens of 12
 
 
-@pytest.mark.parametrize("form", ["dle-dict", "hf-dict", "batch-encoding", "bare-tensor", "tuple", "list"])
+@pytest.mark.parametrize("form", ["dle-dict", "hf-dict", "batch-encoding", "bare-tensor", "tuple", "list",
+                                  "strings-first"])
 def test_real_tokens_and_batch_size_are_exact_for_every_batch_form(form):
     from tempo.train.step import _batch_size, _real_tokens, to_device
 
@@ -365,10 +368,12 @@ def test_real_tokens_and_batch_size_are_exact_for_every_batch_form(form):
         batch, real = ids, 12  # no mask to read: every token counts
     elif form == "tuple":
         batch, real = (ids, mask), 12
-    else:
+    elif form == "list":
         batch, real = [ids, torch.zeros_like(ids)], 12
+    else:  # a collator that passes the examples' ids along (strings), before the tensors; no mask
+        batch, real = {"id": ["a", "b", "c"], "input_ids": ids}, 12
     assert _real_tokens(batch) == real
     assert _batch_size(batch) == 3
     moved = to_device(batch, torch.device("cpu"))
-    first = moved if isinstance(moved, torch.Tensor) else (moved["input_ids"] if isinstance(moved, dict) else moved[0])
+    first = moved if isinstance(moved, torch.Tensor) else (moved["input_ids"] if isinstance(moved, Mapping) else moved[0])
     assert torch.equal(first, ids)

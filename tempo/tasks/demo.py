@@ -180,6 +180,13 @@ def run_command(variant: Variant, work: Path, shard_dir: Path, config: Path, voc
     return cmd, log
 
 
+def tail_loss(losses: list[float]) -> tuple[float, int]:
+    """(mean, count) of the last fifth of a run's step losses (at least one step): the loss a run
+    ends at, less noisy than its last step. NaN and 0 when the run logged no loss."""
+    tail = losses[-max(1, len(losses) // 5):]
+    return (sum(tail) / len(tail) if tail else float("nan")), len(tail)
+
+
 def run_variant(k: int, n: int, variant: Variant, work: Path, shard_dir: Path, config: Path, vocab: Path,
                 args: argparse.Namespace, on_gpu: bool, stop: _SigtermForwarder) -> dict[str, Any]:
     """Run one variant in its own process; its summary, plus the mean loss of its last steps."""
@@ -210,9 +217,7 @@ def run_variant(k: int, n: int, variant: Variant, work: Path, shard_dir: Path, c
         raise SystemExit(f"{PROG}: run {k} of {n} ({variant.name}) wrote no summary to {log}")
     summary = dict(summaries[-1])
     losses = [r["data"]["loss"] for r in records if isinstance(r["step"], int) and "loss" in r["data"]]
-    tail = losses[-max(1, len(losses) // 5):]
-    summary["tail_loss"] = sum(tail) / len(tail) if tail else float("nan")
-    summary["tail_steps"] = len(tail)
+    summary["tail_loss"], summary["tail_steps"] = tail_loss(losses)
     print(f"  {_steps(summary['steps'])} in {time.perf_counter() - started:.0f} s: loss {summary['tail_loss']:.3f}, "
           f"{_rate(summary.get('training_real_tokens_per_second'))} real tokens/s", flush=True)
     return summary
