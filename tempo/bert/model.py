@@ -80,6 +80,21 @@ def key_padding_mask(attention_mask: Tensor) -> Tensor:
     return keep[:, None, None, :]
 
 
+def layer_attention_mask(attention: str, attention_mask: Tensor, layout: Optional[TokenLayout],
+                         dtype: torch.dtype) -> Optional[Tensor]:
+    """The mask the encoder's layers get for the ``attention`` choice (BertModel.forward; the
+    movement counter traces a layer with it): none for sdpa and the efficient attention when the
+    batch is unpadded (variable-length attention) or nothing is padded (so fused kernels can take
+    the call; one host read), a bool key-padding mask for the efficient attention (the same
+    attention as the additive one, and with dropout on the fused kernels take it: a float mask with
+    dropout runs the reference op, tempo.ops.attention), the additive mask in ``dtype`` otherwise."""
+    if attention in ("sdpa", "efficient") and (layout is not None or bool(attention_mask.all())):
+        return None
+    if attention == "efficient":
+        return key_padding_mask(attention_mask)
+    return additive_attention_mask(attention_mask, dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Embeddings
 # ---------------------------------------------------------------------------------------------
@@ -369,17 +384,7 @@ class BertModel(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hidden = self.embeddings(input_ids, token_type_ids, layout)
-        if layout is not None and self.options.attention in ("sdpa", "efficient"):
-            mask = None  # variable-length attention needs no mask
-        elif self.options.attention in ("sdpa", "efficient") and bool(attention_mask.all()):
-            mask = None  # no padding: no mask, so fused attention kernels can take the call (one host sync)
-        elif self.options.attention == "efficient":
-            # A bool key-padding mask: the same attention as the additive one (a real token's row
-            # has every finfo.min entry at exp(...) = 0 either way), and with dropout on the fused
-            # kernels take it (a float mask with dropout runs the reference op: tempo.ops.attention).
-            mask = key_padding_mask(attention_mask)
-        else:
-            mask = additive_attention_mask(attention_mask, _compute_dtype(hidden))
+        mask = layer_attention_mask(self.options.attention, attention_mask, layout, _compute_dtype(hidden))
         hidden = self.encoder(hidden, mask, layout)
         pooled = self.pooler(hidden, layout) if self.pooler is not None else None
         return BertModelOutput(hidden, pooled, layout)

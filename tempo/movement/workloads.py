@@ -7,9 +7,9 @@ kernels, so this equals the L-layer trace (tests/test_movement.py checks it agai
 trace) at the cost of two small traces.
 
 Inputs mirror what ``BertModel.forward`` hands a layer: the layer input in the autocast dtype
-when a Tempo LayerNorm produced it (fp32 from ``nn.LayerNorm`` under autocast); no attention mask
-for sdpa and the efficient attention when nothing is padded, a bool key-padding mask for the
-efficient attention and the additive mask (autocast dtype) otherwise; with ``unpad`` the T real tokens and their ``TokenLayout``. A padded batch has every
+when a Tempo LayerNorm produced it (fp32 from ``nn.LayerNorm`` under autocast); the attention mask
+``BertModel.forward`` makes (its ``layer_attention_mask``); with ``unpad`` the T real tokens and
+their ``TokenLayout``. A padded batch has every
 sequence ``round(s · (1 − padding_share))`` real tokens long (right padding).
 """
 
@@ -80,25 +80,12 @@ def padding_mask(batch: int, seq_len: int, padding_share: float) -> torch.Tensor
     return mask
 
 
-def _layer_mask(choice: TempoChoice, attention_mask: torch.Tensor, layout, dtype: torch.dtype):
-    """The mask BertModel.forward hands its layers (see its forward): none for sdpa and the
-    efficient attention when nothing is padded or the batch is unpadded, a bool key-padding mask for
-    the efficient attention, the additive one otherwise."""
-    from tempo.bert.model import additive_attention_mask, key_padding_mask
-
-    if choice.attention in ("sdpa", "efficient") and (layout is not None or bool(attention_mask.all())):
-        return None
-    if choice.attention == "efficient":
-        return key_padding_mask(attention_mask)
-    return additive_attention_mask(attention_mask, dtype)
-
-
 def trace_layer(choice: TempoChoice, batch: int, seq_len: int, *, padding_share: float = 0.0,
                 unpad: bool = False, config: str = "bert_large",
                 dtype: torch.dtype = torch.bfloat16) -> tuple[Trace, int]:
     """One encoder layer's forward + backward in training mode (dropout on) under ``dtype``
     autocast -> (trace, real tokens)."""
-    from tempo.bert.model import BertLayer
+    from tempo.bert.model import BertLayer, layer_attention_mask
     from tempo.unpad import TokenLayout
 
     cfg = _config(config)
@@ -109,7 +96,7 @@ def trace_layer(choice: TempoChoice, batch: int, seq_len: int, *, padding_share:
     input_dtype = dtype if (choice.layernorm or choice.dropout_add_layernorm) else torch.float32
     shape = (layout.total_tokens, cfg.hidden_size) if layout is not None else (batch, seq_len, cfg.hidden_size)
     hidden = session.fake_tensor(shape, input_dtype, requires_grad=True)
-    mask = _layer_mask(choice, attention_mask, layout, dtype)
+    mask = layer_attention_mask(choice.attention, attention_mask, layout, dtype)  # as BertModel.forward
     trace = session.trace(lambda: layer(hidden, mask, layout), autocast_dtype=dtype)
     return trace, int(attention_mask.sum())
 
