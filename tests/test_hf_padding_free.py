@@ -113,6 +113,21 @@ def test_stock_attention_crosses_the_boundaries_which_is_why_this_exists(name):
     assert differs == (name == "bert")
 
 
+def test_one_position_row_shared_by_a_batch_of_packed_rows():
+    """position_ids of shape [1, L] for a batch of B packed rows (each row packed alike): the row
+    applies to every row of the batch, as it does for the model's position embeddings."""
+    torch.manual_seed(0)
+    model = apply_tempo(bert()).eval()
+    packed = packed_batch(model, sequences(), False)
+    ids = packed["input_ids"].expand(2, -1)
+    with torch.no_grad():
+        shared = model(input_ids=ids, position_ids=packed["position_ids"]).last_hidden_state
+        each = model(input_ids=ids, position_ids=packed["position_ids"].expand(2, -1)).last_hidden_state
+        alone = model(**packed).last_hidden_state
+    torch.testing.assert_close(shared, each)
+    torch.testing.assert_close(shared[1], alone[0])
+
+
 def test_efficient_attention_runs_the_variable_length_op(monkeypatch):
     from tempo.ops import attention as attn_mod
 

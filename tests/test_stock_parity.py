@@ -16,6 +16,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")  # the hf extra; CI installs it
 
 from tempo.integrations.patch import apply_tempo, revert_tempo, tempo_patched  # noqa: E402
+from tempo.integrations.recipe import is_replacement  # noqa: E402
 from tempo.memory import ActivationLedger  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -158,6 +159,29 @@ def test_dropout_switched_back_on_drops_again():
     assert not torch.equal(on, off)
     fused = patched.bert.encoder.layer[0].output
     assert fused.LayerNorm.dropout is fused.dropout and fused.LayerNorm.p == 0.1
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "deberta"])
+def test_dropout_off_before_patching_and_on_after_reaches_the_tempo_layers(family):
+    """Dropout switched off through the modules before apply_tempo (p = 0 held by the fused
+    layers), then on again after it: the Tempo layers drop at the rate set later, as the stock
+    model's modules do (they hold the modules, not a copy of the rate)."""
+    torch.manual_seed(0)
+    stock = FAMILIES[family]()
+    disable_by_hand(stock)
+    patched = apply_tempo(copy.deepcopy(stock))
+    for model in (stock, patched):
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.2
+    fused = [m for m in patched.modules() if is_replacement(m) and isinstance(getattr(m, "dropout", None), nn.Dropout)]
+    assert (len(fused) > 0) == (family != "gpt2") and all(m.dropout.p == 0.2 for m in fused)  # GPT-2: no fused block
+    off = copy.deepcopy(patched)
+    disable_by_hand(off)
+    assert not torch.equal(loss_and_grads(patched)[0], loss_and_grads(off)[0])
+    if family == "bert":  # the fused layer holds the block's own module: one switch, one object
+        block = patched.bert.encoder.layer[0].output
+        assert block.LayerNorm.dropout is block.dropout
 
 
 def test_modernbert_mlp_dropout_switched_on_after_the_swap_is_the_stock_mlps():
