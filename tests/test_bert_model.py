@@ -11,7 +11,7 @@ import torch
 
 from tempo.bert.config import BertConfig, ConfigError
 from tempo.bert.model import (BertForPreTraining, BertForQuestionAnswering, BertModel, additive_attention_mask,
-                              key_padding_mask)
+                              key_padding_mask, layer_attention_mask)
 from tempo.choices import TempoChoice
 
 REPO = Path(__file__).resolve().parents[1]
@@ -278,6 +278,26 @@ def test_padding_does_not_leak_into_real_tokens():
         b = model(noisy, types, mask).last_hidden_state
     keep = mask.bool()
     torch.testing.assert_close(a[keep], b[keep], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "tempo", "efficient"])
+def test_the_mask_each_attention_gets(attention):
+    """No mask where none is needed (sdpa and the efficient attention: nothing padded, or an
+    unpadded batch), so the fused kernels that take no mask (flash) stay on offer; a bool
+    key-padding mask for the efficient attention; the additive mask otherwise."""
+    from tempo.unpad import TokenLayout
+
+    _, _, padded = padded_batch()
+    full = torch.ones_like(padded)
+    fused = attention in ("sdpa", "efficient")
+    for mask, layout in ((full, None), (padded, None), (padded, TokenLayout.from_mask(padded))):
+        got = layer_attention_mask(attention, mask, layout, torch.float16)
+        if fused and (layout is not None or bool(mask.all())):
+            assert got is None
+        elif attention == "efficient":
+            assert got.dtype == torch.bool and torch.equal(got, key_padding_mask(mask))
+        else:
+            assert torch.equal(got, additive_attention_mask(mask, torch.float16))
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa", "tempo", "efficient"])

@@ -2,7 +2,6 @@
 backward (the ledger), autocast dtypes, γ near zero, nn.LayerNorm interop, compile/opcheck."""
 
 import logging
-import math
 import os
 import subprocess
 import sys

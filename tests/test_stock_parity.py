@@ -331,6 +331,21 @@ def test_patched_in_a_mode_every_module_is_in_that_mode(family, choice, mode):
             torch.testing.assert_close(patched(**batch()).logits, stock(**batch()).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_a_module_shared_by_two_parents_stays_one_module_through_patch_and_revert(caplog):
+    """One LayerNorm (and one GELU) registered under two parents (weights shared between blocks):
+    one replacement held by both after apply_tempo, the one original held by both after revert."""
+    norm, act = nn.LayerNorm(8), nn.GELU()
+    model = nn.ModuleDict({"a": nn.Sequential(nn.Linear(8, 8), norm, act), "b": nn.Sequential(nn.Linear(8, 8), norm, act)})
+    apply_tempo(model)
+    assert model["a"][1] is model["b"][1] and model["a"][1] is not norm
+    assert model["a"][2] is model["b"][2] and model["a"][2] is not act
+    with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
+        revert_tempo(model)
+    assert "revert_tempo: restored 1 LayerNorm" in caplog.messages  # one module, restored once
+    assert model["a"][1] is norm and model["b"][1] is norm
+    assert model["a"][2] is act and model["b"][2] is act
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_another_choice_on_a_patched_model_is_refused_with_nothing_changed(family):
     stock, patched = stock_and_patched(family)
