@@ -30,8 +30,7 @@ freshly initialised LayerNorms (γ = 1, β = 0) keep. Count a trained checkpoint
 from __future__ import annotations
 
 import contextlib
-import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -40,32 +39,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tempo.memory import ActivationLedger
+from tempo.ops.layernorm import outputs_with_no_kept_columns
 from tempo.utils import fake_parameters
 
 # A factory (no tensor inputs) whose output is at most this many elements runs for real, so that
 # host reads of masks, positions and seeds see values; larger ones stay fake.
 REAL_FACTORY_NUMEL = 1 << 20
-
-# Ops whose output size depends on values: (fake outputs with K = 0 kept columns) per op name.
-_KEPT_COLUMNS_OPS = ("tempo.layernorm_fwd", "tempo.dropout_add_layernorm_fwd")
-
-
-def _kept_columns_outputs(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[Tensor, ...]]:
-    """Outputs of Tempo's LayerNorm forward ops with K = 0 kept columns; None for any other op."""
-    name = str(func.overloadpacket)
-    if name not in _KEPT_COLUMNS_OPS:
-        return None
-    bound = dict(zip([a.name for a in func._schema.arguments], args))
-    bound.update(kwargs)
-    x = bound["x"]
-    if name == "tempo.layernorm_fwd":
-        rows = math.prod(x.shape[: x.dim() - bound["normalized_ndim"]])
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    else:
-        rows = math.prod(x.shape[: x.dim() - len(bound["normalized_shape"])])
-        compute = torch.float64 if torch.float64 in (x.dtype, bound["residual"].dtype) else torch.float32
-    return (x.new_empty(x.shape, dtype=bound["out_dtype"]), x.new_empty((rows,), dtype=compute),
-            x.new_empty((0,), dtype=torch.int64), x.new_empty((rows, 0), dtype=compute))
 
 
 class _RealWhereValuesMatter(TorchDispatchMode):
@@ -80,7 +59,7 @@ class _RealWhereValuesMatter(TorchDispatchMode):
             with self:
                 return nested[0].__torch_dispatch__(func, types, args, kwargs)
         if any(isinstance(t, FakeTensor) for t in tensors):
-            special = _kept_columns_outputs(func, args, kwargs)
+            special = outputs_with_no_kept_columns(func, args, kwargs)
             return special if special is not None else func(*args, **kwargs)
         if tensors:
             with unset_fake_temporarily():  # real inputs only: compute for real (host reads need it)

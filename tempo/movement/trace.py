@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from tempo.ops.layernorm import outputs_with_no_kept_columns
 from tempo.utils import fake_parameters
 
 aten = torch.ops.aten
@@ -177,25 +178,6 @@ def _bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, A
     return bound
 
 
-def _kept_columns_outputs(func, args, kwargs) -> Optional[tuple[Tensor, ...]]:
-    """Outputs of Tempo's LayerNorm forward ops with K = 0 kept columns (see the module docstring);
-    None for any other op."""
-    name = str(func.overloadpacket)
-    if name not in ("tempo.layernorm_fwd", "tempo.dropout_add_layernorm_fwd"):
-        return None
-    bound = dict(zip([a.name for a in func._schema.arguments], args))
-    bound.update(kwargs)
-    x = bound["x"]
-    if name == "tempo.layernorm_fwd":
-        rows = math.prod(x.shape[: x.dim() - bound["normalized_ndim"]])
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    else:
-        rows = math.prod(x.shape[: x.dim() - len(bound["normalized_shape"])])
-        compute = torch.float64 if torch.float64 in (x.dtype, bound["residual"].dtype) else torch.float32
-    return (x.new_empty(x.shape, dtype=bound["out_dtype"]), x.new_empty((rows,), dtype=compute),
-            x.new_empty((0,), dtype=torch.int64), x.new_empty((rows, 0), dtype=compute))
-
-
 class Recorder(TorchDispatchMode):
     """Records every op (see the module docstring). ``phase`` is set by the caller."""
 
@@ -214,7 +196,7 @@ class Recorder(TorchDispatchMode):
                 return nested[0].__torch_dispatch__(func, types, args, kwargs)
         any_fake = any(isinstance(t, FakeTensor) for t in tensors)
         note = ""
-        special = _kept_columns_outputs(func, args, kwargs) if any_fake else None
+        special = outputs_with_no_kept_columns(func, args, kwargs) if any_fake else None
         if special is not None:
             out = special
             note = "K = 0 kept columns (every x̂ recovered from y: γ = 1, β = 0)"

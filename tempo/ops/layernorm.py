@@ -330,6 +330,28 @@ def forget_kept_column_plans() -> None:
         _plans.clear()
 
 
+def outputs_with_no_kept_columns(func, args: tuple, kwargs: dict) -> Optional[tuple[Tensor, ...]]:
+    """For counting on fake tensors (tempo.memory's ledger, tempo.movement's traces): the outputs of
+    Tempo's LayerNorm forward ops (``tempo.layernorm_fwd``, ``tempo.dropout_add_layernorm_fwd``) as
+    they are with K = 0 kept columns, made with the input's ``new_empty``; None for any other op.
+    Fake γ and β have no values to plan from; K = 0 is what every γ = 1 layer keeps (a checkpoint's
+    near-zero columns add [rows, K] + K, which a count on real tensors shows)."""
+    name = str(func.overloadpacket)
+    if name not in ("tempo.layernorm_fwd", "tempo.dropout_add_layernorm_fwd"):
+        return None
+    bound = dict(zip([a.name for a in func._schema.arguments], args))
+    bound.update(kwargs)
+    x = bound["x"]
+    if name == "tempo.layernorm_fwd":
+        rows = math.prod(x.shape[: x.dim() - bound["normalized_ndim"]])
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    else:
+        rows = math.prod(x.shape[: x.dim() - len(bound["normalized_shape"])])
+        compute = torch.float64 if torch.float64 in (x.dtype, bound["residual"].dtype) else torch.float32
+    return (x.new_empty(x.shape, dtype=bound["out_dtype"]), x.new_empty((rows,), dtype=compute),
+            x.new_empty((0,), dtype=torch.int64), x.new_empty((rows, 0), dtype=compute))
+
+
 def kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
                  device: torch.device, where: str, backend: str) -> Tensor:
     """The plan a forward uses: cached per parameter version on the Triton path and on any device
