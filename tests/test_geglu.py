@@ -143,6 +143,21 @@ def test_modernbert_keeps_fewer_bytes_per_mlp():
         assert kept["stock"][key] - kept["tempo"][key] == 2 * 60 * 48 * 4, key
 
 
+def test_mlp_dropout_set_on_a_model_in_eval_mode_keeps_the_fused_path():
+    """A rate set on the MLP's nn.Dropout does nothing in eval mode (as in the stock MLP): the
+    fused op runs and keeps Wi's output only, e.g. a frozen-dropout fine-tune with grad on."""
+    torch.manual_seed(0)
+    model = apply_tempo(modernbert(), attention=False, layernorm=False).eval()
+    kept = {}
+    for p in (0.0, 0.3):
+        for layer in model.model.layers:
+            layer.mlp.drop.p = p
+        with ActivationLedger(model) as ledger:
+            model(**batch()).loss
+        kept[p] = {k: v for k, v in ledger.by_module(depth=4).items() if k.endswith(".mlp")}
+    assert kept[0.0] and kept[0.3] == kept[0.0]
+
+
 def test_modernbert_mlp_with_dropout_is_left_alone(caplog):
     from tempo.ops.geglu import GegluMLP
 

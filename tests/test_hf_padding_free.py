@@ -201,7 +201,8 @@ def test_packing_is_read_once_per_tensor_not_per_layer():
     n, (cu, max_len) = reads(lambda: packed_sequences(q, q, kwargs))
     assert n == 1 and cu.tolist() == [0, 2, 6] and max_len == 4
     assert reads(lambda: [packed_sequences(q, q, kwargs) for _ in range(3)])[0] == 0
-    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
-        packed_sequences(q, q, {**kwargs, "cu_seq_lens_k": torch.tensor([0, 3, 6], dtype=torch.int32)})
+    for other in ([0, 3, 6], [0, 2, 5], [0, 2, 4, 6]):  # a middle offset, the last one, the count
+        with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+            packed_sequences(q, q, {**kwargs, "cu_seq_lens_k": torch.tensor(other, dtype=torch.int32)})
     with pytest.raises(ValueError, match="ends at 5"):
         packed_sequences(q, q, {"cu_seq_lens_q": torch.tensor([0, 2, 5])})

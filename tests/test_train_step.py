@@ -351,6 +351,20 @@ def _mask_and_ids():
     return ids, mask  # 7 real tokens of 12
 
 
+def test_the_loss_of_every_output_form():
+    """What a model or loss function returns: a scalar, an output with .loss, a tuple whose first
+    item is the loss, or a per-sample loss vector (averaged, as a reduction='mean' loss is)."""
+    from types import SimpleNamespace
+
+    from tempo.train.step import _loss_of
+
+    per_sample = torch.tensor([1.0, 3.0, 8.0])
+    assert float(_loss_of(per_sample)) == 4.0
+    assert float(_loss_of(torch.tensor(2.5))) == 2.5
+    assert float(_loss_of(SimpleNamespace(loss=torch.tensor(1.5)))) == 1.5
+    assert float(_loss_of((per_sample, "logits"))) == 4.0
+
+
 @pytest.mark.parametrize("form", ["dle-dict", "hf-dict", "batch-encoding", "bare-tensor", "tuple", "list",
                                   "strings-first"])
 def test_real_tokens_and_batch_size_are_exact_for_every_batch_form(form):
