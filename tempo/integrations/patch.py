@@ -180,11 +180,13 @@ def _plan(model: nn.Module, options: Options, active: list[Recipe]) -> _Plan:
                 logger.debug("left %s (%s) alone: %s", qualified, type(child).__name__, built.reason)
                 visit(child, qualified)
                 continue
-            if recipe.check is not None and not recipe.check(child, built):
-                why = "transformers' forward differs from the one Tempo mirrors"
+            checked = recipe.check(child, built) if recipe.check is not None else True
+            if not checked:
+                why = "its forward computes something other than the replacement"
                 plan.skipped[(recipe.kind, why)] += 1
-                logger.debug("left %s (%s) alone: the replacement computes something else", qualified,
-                             type(child).__name__)
+                logger.info("apply_tempo: left %s (%s) alone: the replacement %s computes something else: %s",
+                            qualified, type(child).__name__, recipe.becomes.split(" (")[0],
+                            getattr(checked, "reason", "") or "the numerical check failed")
                 visit(child, qualified)
                 continue
             built.__class__ = as_original_class(type(built), type(child))

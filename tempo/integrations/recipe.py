@@ -14,8 +14,10 @@ DeBERTa's ``DisentangledSelfAttention``, ...):
     ``m.p = 0`` on every ``nn.Dropout`` (TRL's ``disable_dropout_in_model``) switches Tempo's
     dropout off too. Or ``Skip(reason)``: recognised, left alone (logged);
   * ``check``: the replacement computes what the original does (eval mode, small random inputs on
-    the original's device and dtype); a replacement that does not is dropped and the original left
-    alone (logged: a transformers version whose module computes something else);
+    the original's device and dtype; ``same_output``: the formula compared in fp32, the module's own
+    16-bit dtype against the rounding it allows); a replacement that does not is dropped and the
+    original left alone (logged with the module, the difference and the tolerance: a transformers
+    version whose module computes something else);
   * ``restore``: hand the replacement's current submodules and Parameters back to the original
     (``revert_tempo``).
 
@@ -84,7 +86,8 @@ class Recipe:
     replacement: type  # the replacement's (Tempo) class
     recognise: Callable[[nn.Module], bool]
     build: Callable[[nn.Module, Options], Built]
-    check: Optional[Callable[[nn.Module, nn.Module], bool]] = None
+    # -> a truthy CheckResult (same_output's), or a falsy one whose reason the skip log quotes
+    check: Optional[Callable[[nn.Module, nn.Module], Any]] = None
     restore: Optional[Callable[[nn.Module, nn.Module], None]] = None  # default: move the Parameters back
     enabled: Optional[Callable[[Options], bool]] = None  # default: the option's value is truthy
     label: Optional[Callable[[nn.Module], tuple[str, str]]] = None  # (kind, becomes) of one replacement, for logs
@@ -180,27 +183,122 @@ def first_tensor(out: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def same_output(original: nn.Module, replacement: nn.Module, *inputs: Any, atol: float = 1e-5,
-                rtol: float = 1e-5) -> bool:
-    """``replacement(*inputs)`` equals ``original(*inputs)`` in eval mode (dropout off), under
-    no_grad, to ``atol``/``rtol``. A forward that raises counts as different. Both modules' train
-    flags are restored."""
+# The numerical check, per dtype. A replacement is dropped only when it computes something else,
+# never for the rounding of the model's dtype. Two comparisons:
+#   1. the formula, in the compute dtype (fp32; fp64 for an fp64 module): the replacement and the
+#      original run on the same parameters and inputs cast to it (torch.func.functional_call: no
+#      copy of the module), within FORMULA_ATOL + FORMULA_RTOL·|original|. 1e-5 is ~100 fp32 ulps
+#      of an O(1) output: far above fp32 rounding, far below any other formula (the two GELU forms
+#      differ by 4.7e-4, a dropped bias or eps by its size).
+#   2. the dtype, for a 16-bit module: the replacement run in the module's own dtype is as close to
+#      the compute-dtype original as rounding allows: its relative L2 error at most
+#      max(ROUNDING_FACTOR·(the stock module's own error in that dtype), ROUNDING_FACTOR·u_D), u_D
+#      the dtype's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹). The stock module's error is the yardstick
+#      of what rounding in that dtype does to this computation; 8× it leaves room for a different
+#      (equally valid) order of operations and still refuses an output off by a few percent.
+FORMULA_ATOL = 1e-5
+FORMULA_RTOL = 1e-5
+ROUNDING_FACTOR = 8.0
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What a recipe's numerical check found. Truthy when the replacement computes what the
+    original does; otherwise ``reason`` says what differs, by how much, against which tolerance
+    (the log line of the module left alone quotes it)."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a check compares formulas in: fp64 for fp64 modules, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _module_dtype(*modules: nn.Module) -> Optional[torch.dtype]:
+    for module in modules:
+        for t in (*module.parameters(), *module.buffers()):
+            if t.is_floating_point():
+                return t.dtype
+    return None
+
+
+def _cast_tensors(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_tensors(v, dtype) for v in value)
+    return value
+
+
+def _run(module: nn.Module, inputs: tuple, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """module(*inputs) under no_grad, eval mode set by the caller; with ``dtype``: its floating
+    parameters and buffers, and the inputs, cast to it for this call only."""
+    with torch.no_grad():
+        if dtype is None:
+            return first_tensor(module(*inputs))
+        state = {name: t.to(dtype) if t.is_floating_point() else t
+                 for name, t in (*module.named_parameters(), *module.named_buffers())}
+        return first_tensor(torch.func.functional_call(module, state, _cast_tensors(inputs, dtype)))
+
+
+def _relative_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.to(torch.float64)
+    scale = float(want.norm())
+    diff = float((got.to(torch.float64) - want).norm())
+    return diff / scale if scale > 0 else diff
+
+
+def same_output(original: nn.Module, replacement: nn.Module, *inputs: Any) -> CheckResult:
+    """Whether ``replacement(*inputs)`` computes ``original(*inputs)``, in eval mode (dropout off)
+    under no_grad, for the module's dtype (the two comparisons above). A forward that raises
+    counts as different. Both modules' train flags are restored."""
     modes = [(m, m.training) for m in (*original.modules(), *replacement.modules())]
     original.eval()
     replacement.eval()
+    dtype = _module_dtype(original, replacement) or torch.float32
+    compute = compute_dtype(dtype)
+    stage = "the formula"
     try:
-        with torch.no_grad():
-            want = first_tensor(original(*inputs))
-            got = first_tensor(replacement(*inputs))
-    except Exception:  # noqa: BLE001 - a forward we cannot run is one we do not replace
+        want = _run(original, inputs, compute)
+        got = _run(replacement, inputs, compute)
+        if dtype != compute:
+            stage = f"the {dtype} forward"
+            stock = _run(original, inputs)
+            got_in_dtype = _run(replacement, inputs)
+    except Exception as err:  # noqa: BLE001 - a forward we cannot run is one we do not replace
         logger.debug("%s: the numerical check failed to run", type(original).__name__, exc_info=True)
-        return False
+        return CheckResult(False, f"{stage} failed to run: {type(err).__name__}: {str(err)[:200]}")
     finally:
         for module, mode in modes:
             module.training = mode
-    if want is None or got is None or got.shape != want.shape or got.dtype != want.dtype:
-        return False
-    return bool(torch.allclose(got, want, atol=atol, rtol=rtol))
+    if want is None or got is None:
+        return CheckResult(False, "no tensor output to compare")
+    if got.shape != want.shape:
+        return CheckResult(False, f"output shape {tuple(got.shape)} instead of {tuple(want.shape)}")
+    diff = (got.to(compute) - want).abs()
+    excess = diff - (FORMULA_ATOL + FORMULA_RTOL * want.abs())
+    if not bool(torch.isfinite(got).all()) or (excess.numel() and float(excess.max()) > 0):
+        at = int(excess.flatten().argmax()) if excess.numel() else 0
+        return CheckResult(False, f"in {compute} it differs by {float(diff.flatten()[at]):.3g} where "
+                                  f"{FORMULA_ATOL:g} + {FORMULA_RTOL:g}·|original| allows "
+                                  f"{FORMULA_ATOL + FORMULA_RTOL * float(want.flatten()[at].abs()):.3g}")
+    if dtype == compute:
+        return CheckResult(True)
+    if stock is None or got_in_dtype is None or got_in_dtype.dtype != stock.dtype:
+        return CheckResult(False, f"in {dtype} it returns {getattr(got_in_dtype, 'dtype', None)} where the "
+                                  f"original returns {getattr(stock, 'dtype', None)}")
+    error = _relative_l2(got_in_dtype, want)
+    allowed = ROUNDING_FACTOR * max(_relative_l2(stock, want), torch.finfo(dtype).eps / 2)
+    if not error <= allowed:  # (a NaN error fails too)
+        return CheckResult(False, f"in {dtype} its relative L2 error against the {compute} original is "
+                                  f"{error:.3g}, above the {allowed:.3g} that {dtype} rounding allows "
+                                  f"({ROUNDING_FACTOR:g}x the stock module's own error or unit roundoff)")
+    return CheckResult(True)
 
 
 def sample(shape: tuple[int, ...], like: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -209,5 +307,5 @@ def sample(shape: tuple[int, ...], like: torch.Tensor, seed: int = 0) -> torch.T
     return torch.randn(shape, generator=g).to(device=like.device, dtype=like.dtype)
 
 
-__all__ = ["ORIGINAL", "Options", "Recipe", "Skip", "as_original_class", "has_meta_weights", "is_replacement",
+__all__ = ["ORIGINAL", "CheckResult", "Options", "Recipe", "Skip", "as_original_class", "compute_dtype", "has_meta_weights", "is_replacement",
            "move_parameters", "same_output", "same_submodules", "sample", "tempo_class"]
