@@ -1,6 +1,7 @@
 """The GPU suite's machinery, on the CPU: --dry-run, the no-CUDA error, stages that fail or run out
 of time (recorded, the suite goes on, the children stopped), the reports read from raw data, and
-a real max-batch stage against a stand-in probe. The GPU work itself is tests/test_gpu.py."""
+a real max-batch stage against a stand-in probe; the full plan (--full) here, the quick plan (the
+default) in tests/test_gpu_quick.py. The GPU work itself is tests/test_gpu.py."""
 
 import json
 import os
@@ -31,7 +32,7 @@ def _dry_run(capsys, *extra, budget=None):
 
 def test_dry_run_prints_every_stage_command(capsys, tmp_path):
     out = tmp_path / "run"
-    header, rows = _dry_run(capsys, "--out-dir", str(out))
+    header, rows = _dry_run(capsys, "--full", "--out-dir", str(out))
     assert "16 stages" in header and str(out) in header
     assert not out.exists()  # a dry run writes nothing
     names = [r[0] for r in rows]
@@ -61,7 +62,7 @@ def test_dry_run_prints_every_stage_command(capsys, tmp_path):
 
 
 def test_dry_run_selects_stages_by_prefix(capsys):
-    _, rows = _dry_run(capsys, "--stages", "maxbatch-s512,ops")
+    _, rows = _dry_run(capsys, "--full", "--stages", "maxbatch-s512,ops")
     assert [r[0] for r in rows] == ["ops", "maxbatch-s512-original", "maxbatch-s512-tempo", "maxbatch-s512-tempo-sdpa"]
 
 
@@ -74,7 +75,7 @@ def test_stage_limits_add_up_within_the_budget(capsys):
         assert 0 < sum(s.timeout_s for s in stages if s.part == part) <= gpu_suite.PART_LIMIT_S < 600, part
     assert gpu_suite.stages_past_the_limit(stages, gpu_suite.DEFAULT_TIME_LIMIT_S) == []
     budget = []
-    header, rows = _dry_run(capsys, budget=budget)
+    header, rows = _dry_run(capsys, "--full", budget=budget)
     assert f"time limit {gpu_suite.DEFAULT_TIME_LIMIT_S} s" in header
     assert sum(float(r[1]) for r in rows) == gpu_suite.DEFAULT_TIME_LIMIT_S
     assert budget == ["# part 1 (tests): 1 stage, limits add up to 540 s",
@@ -85,6 +86,7 @@ def test_stage_limits_add_up_within_the_budget(capsys):
 
 
 def test_parts_and_an_over_budget_selection_are_named(capsys):
+    """--part picks the full plan's parts (no --full needed)."""
     budget = []
     header, rows = _dry_run(capsys, "--part", "benchmarks,3", "--time-limit", "900", budget=budget)
     assert [r[0] for r in rows][:2] == ["ops", "layer"] and rows[-1][0] == "maxbatch-s512-tempo-sdpa"
@@ -117,7 +119,7 @@ def test_cuda_cases_of_cpu_test_files_are_in_the_gpu_selection(tmp_path):
 
 
 def test_unknown_stage_is_one_error_line(capsys):
-    assert bench_main(["gpu-suite", "--dry-run", "--stages", "nope"]) == 1
+    assert bench_main(["gpu-suite", "--full", "--dry-run", "--stages", "nope"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--stages" in err[0] and "nope" in err[0]
 
@@ -138,7 +140,7 @@ def test_without_cuda_exits_nonzero_with_one_line(command, tmp_path):
 
 def test_gpu_check_script_passes_arguments_through():
     assert os.access(REPO / "scripts" / "gpu_check.sh", os.X_OK)
-    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--stages", "layer"],
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--full", "--dry-run", "--stages", "layer"],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[1].startswith("layer\t")

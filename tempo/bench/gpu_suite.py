@@ -1,9 +1,20 @@
 """``python -m tempo.bench gpu-suite`` (= ``scripts/gpu_check.sh``): what the GPU has to confirm, in one run.
 
-Stages, in this order, each a fresh subprocess with its own time limit (so an out-of-memory probe or
-a crashed kernel never affects a later stage); its output goes to logs/<stage>.log. They come in
-three parts (``--part``), each of whose limits add up to at most 9.5 minutes, so that a part fits
-one command on a machine that allows 10 minutes per command:
+Two plans, each stage a fresh subprocess with its own time limit (so an out-of-memory probe or a
+crashed kernel never affects a later stage), its output in logs/<stage>.log:
+
+  * the quick plan (the default): at most 7 minutes on one H100, for a GPU lent for 15 minutes:
+    environment, correctness against fp64 (two stages), memory truth, speed, the projections of
+    tempo.movement, speed under torch.compile, the largest batch; no stage starts after 6.5
+    minutes. Its stages live in tempo/bench/gpu_quick.py (its docstring says what each does; each
+    runs alone as ``python -m tempo.bench.gpu_quick <stage> --out DIR``, on the CPU at tiny shapes
+    with ``--device cpu --tiny``). ``--tarball PATH`` packs the run folder into one file (and copies
+    summary.md beside it): a lent machine hands back at most a few files.
+  * the full plan (``--full``), 25 minutes, below.
+
+The full plan's stages, in this order. They come in three parts (``--part``, which implies
+``--full``), each of whose limits add up to at most 9.5 minutes, so that a part fits one command on
+a machine that allows 10 minutes per command:
 
   part 1, tests
   gpu-tests        pytest -m gpu: every test that runs on CUDA. tests/test_gpu.py (each Tempo
@@ -26,8 +37,9 @@ one command on a machine that allows 10 minutes per command:
   maxbatch-s{S}-{V}  bench max-batch: the largest pretraining batch, each probe a fresh process,
                    searched in units of U sequences (the probe multiplies {batch} by U) up to a cap
 
-The budget: the stage limits (``--dry-run`` prints each, each part's sum and the total) add up to
-the default ``--time-limit``, 1,500 s (25 minutes) for everything. A stage that fails or runs out
+The budget: the stage limits (``--full --dry-run`` prints each, each part's sum and the total) add
+up to the default ``--time-limit``, 1,500 s (25 minutes) for everything (the quick plan: 420 s of
+limits, no stage started after ``--time-limit`` 390 s). A stage that fails or runs out
 of time is recorded (status, seconds, the tail of its log) and the suite goes on. The whole run
 stops starting stages at ``--time-limit``; a stage gets min(its own limit, the time left), and a
 selection whose limits add up to more than ``--time-limit`` is named up front with the stages
@@ -99,6 +111,11 @@ DEFAULT_TIME_LIMIT_S = (TESTS_LIMIT_S + OPS_LIMIT_S + LAYER_LIMIT_S + 2 * 3 * TR
                         + 2 * 3 * MAXBATCH_LIMIT_S)  # every stage's limit: 1,500 s
 MIN_STAGE_S = 20  # a stage is not started with less time than this left
 TAIL_LINES = 40
+STOP_GRACE_S = 10.0  # a stage stopped at its limit gets TERM, then KILL after this
+QUICK_CHECKS_FAILED_EXIT = 5  # tempo.bench.gpu_quick.CHECKS_FAILED_EXIT: the stage ran, a check failed
+# The quick plan's budget (tempo/bench/gpu_quick.py holds its stages and their limits)
+QUICK_BUDGET_S = 420  # = gpu_quick.QUICK_BUDGET_S
+QUICK_DEADLINE_S = 390  # = gpu_quick.QUICK_DEADLINE_S
 
 
 @dataclass
@@ -109,10 +126,12 @@ class Stage:
     outputs: list[str] = field(default_factory=list)  # files (relative to the run dir) it writes
     shell: bool = False  # argv[0] is a shell command line
     part: int = 1  # PARTS
+    env: dict[str, str] = field(default_factory=dict)  # set for this stage's process, on top of the suite's
 
     @property
     def command(self) -> str:
-        return self.argv[0] if self.shell else shlex.join(self.argv)
+        command = self.argv[0] if self.shell else shlex.join(self.argv)
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()), command])
 
 
 @dataclass
@@ -249,7 +268,7 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+def _kill_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """Stop the stage and everything it started (its own process group), TERM first, then KILL."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -271,7 +290,9 @@ def run_stage(stage: Stage, out: Path, timeout_s: float, cwd: Path = REPO) -> St
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{stage.name}.log"
     result = StageResult(stage.name, stage.command, "failed", timeout_s, log=str(log.relative_to(out)))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # TEMPO_STAGE_TIMEOUT_S: the seconds this stage is given (a stage with a time budget of its own,
+    # the quick plan's max-batch, fits it inside them)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **stage.env, "TEMPO_STAGE_TIMEOUT_S": f"{timeout_s:.0f}"}
     start = time.monotonic()
     with open(log, "w") as fh:
         fh.write(f"$ {stage.command}\n")
@@ -420,10 +441,14 @@ def write_reports(out: Path, header: dict[str, Any], results: list[StageResult])
 
 
 def summary_markdown(out: Path, header: dict[str, Any], results: list[StageResult]) -> str:
+    quick = header.get("plan") == "quick"
     env = header.get("env", {})
+    if quick:  # the env stage's record is the fuller one
+        env = {**env, **((_load(out / "env.json") or {}).get("env") or {})}
     by_name = {r.name: r for r in results}
     done = sum(r.status == "ok" for r in results)
-    lines = [f"# Tempo GPU suite: {env.get('device_name', '?')}", "",
+    title = "Tempo GPU check (quick plan)" if quick else "Tempo GPU suite"
+    lines = [f"# {title}: {env.get('device_name', '?')}", "",
              f"- run: `{header.get('started', '?')}`, results in `{out}`",
              f"- GPU {env.get('device_name')} (driver {env.get('driver')}, compute capability "
              f"{env.get('compute_capability')}, {_fmt((env.get('gpu_memory_bytes') or 0) / 2**30, '.0f')} GiB)",
@@ -434,21 +459,30 @@ def summary_markdown(out: Path, header: dict[str, Any], results: list[StageResul
              *([f"- invoked as: `{header['invoked_as']}`"] if header.get("invoked_as") else []),
              f"- command: `{header.get('command', '?')}` (cwd `{header.get('cwd', '?')}`)",
              *[f"- earlier run into this folder: `{c}`" for c in header.get("earlier_commands", [])],
+             *([f"- no stage starts after {header['time_limit_s']:.0f} s"] if quick and header.get("time_limit_s")
+               else []),
              f"- stages: {done} of {len(results)} ok", ""]
     unfinished = [r for r in results if r.status != "ok"]
     if unfinished:
         lines += ["## Did not finish", ""]
         for r in unfinished:
             detail = r.note or (f"exit {r.returncode}" if r.returncode is not None else "")
+            if quick and r.returncode == QUICK_CHECKS_FAILED_EXIT:
+                detail += ": it ran, and a check failed or a measurement was refused (its section says which)"
             lines.append(f"- **{r.name}**: {r.status}" + (f" ({detail})" if detail else "")
                          + (f", log `{r.log}`" if r.log else ""))
         lines.append("")
 
-    lines += _tests_section(out, by_name.get("gpu-tests"))
-    lines += _training_section(out, by_name)
-    lines += _squad_section(out, by_name.get("squad"))
-    lines += _ops_section(out)
-    lines += _layer_section(out)
+    if quick:
+        from tempo.bench.gpu_quick import summary_sections
+
+        lines += summary_sections(out, by_name)
+    else:
+        lines += _tests_section(out, by_name.get("gpu-tests"))
+        lines += _training_section(out, by_name)
+        lines += _squad_section(out, by_name.get("squad"))
+        lines += _ops_section(out)
+        lines += _layer_section(out)
 
     lines += ["## Stages", "", "| stage | status | seconds | limit (s) |", "|---|---|---|---|"]
     for r in results:
@@ -571,21 +605,30 @@ def _layer_section(out: Path) -> list[str]:
 # Command line
 # ------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dry-run", action="store_true", help="print the stage commands and exit (any machine)")
+    p.add_argument("--full", action="store_true",
+                   help=f"the full 25-minute plan (default: the quick plan, at most {QUICK_BUDGET_S} s)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan's stages, their limits and deadlines, and exit (any machine)")
     p.add_argument("--stages", default=None, help="comma list of stage names or prefixes (default: all)")
     p.add_argument("--part", type=parse_parts, default=None,
-                   help="comma list of parts: " + ", ".join(f"{n} ({name})" for n, name in PARTS.items())
+                   help="the full plan's parts (implies --full): " + ", ".join(f"{n} ({name})" for n, name in PARTS.items())
                         + f"; each part's limits add up to at most {PART_LIMIT_S} s (default: all)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help=f"seconds for the whole run (default: the selected stages' limits added up; "
-                        f"{DEFAULT_TIME_LIMIT_S} for all)")
+                   help=f"no stage starts after this many seconds (default: quick plan {QUICK_DEADLINE_S}; full plan "
+                        f"the selected stages' limits added up, {DEFAULT_TIME_LIMIT_S} for all)")
     p.add_argument("--results-root", default="results", help="results/<gpu>/<timestamp>/ goes here")
     p.add_argument("--out-dir", default=None, help="exact run directory instead")
+    p.add_argument("--tarball", default=None, metavar="PATH",
+                   help="also pack the run directory into PATH (.tar.gz; member names <gpu>/<timestamp>/... under "
+                        "--results-root) and copy summary.md beside it, after the run (or its interruption)")
 
 
-def _time_limit(args: argparse.Namespace, stages: list[Stage]) -> float:
-    """--time-limit, or the selected stages' limits added up (the whole suite: DEFAULT_TIME_LIMIT_S)."""
-    return args.time_limit if args.time_limit is not None else float(sum(s.timeout_s for s in stages))
+def _time_limit(args: argparse.Namespace, stages: list[Stage], plan: str = "full") -> float:
+    """--time-limit, else the quick plan's deadline, or the full plan's selected stages' limits
+    added up (the whole suite: DEFAULT_TIME_LIMIT_S)."""
+    if args.time_limit is not None:
+        return args.time_limit
+    return float(QUICK_DEADLINE_S) if plan == "quick" else float(sum(s.timeout_s for s in stages))
 
 
 def _invocation(argv: Optional[list[str]]) -> str:
@@ -593,24 +636,141 @@ def _invocation(argv: Optional[list[str]]) -> str:
     return shlex.join([sys.executable, "-m", "tempo.bench", *args])
 
 
+def plan_stages(plan: str, out: Path, label: str) -> list[Stage]:
+    """Every stage of ``plan`` ("quick" or "full"), writing into ``out``."""
+    if plan == "quick":
+        from tempo.bench.gpu_quick import quick_stages
+
+        return quick_stages(out)
+    return build_stages(out, label)
+
+
+def quick_budget_lines(stages: list[Stage], time_limit_s: float) -> list[str]:
+    """What ``--dry-run`` prints after the quick plan's stages."""
+    total = sum(s.timeout_s for s in stages)
+    lines = [f"# quick plan: {len(stages)} stages, limits add up to {total:.0f} s (budget {QUICK_BUDGET_S} s); "
+             f"no stage starts after {time_limit_s:.0f} s and a stage gets min(its limit, the time left), so the run "
+             f"ends by about {time_limit_s:.0f} s (+ {STOP_GRACE_S:.0f} s to stop a stage, + the summary)"]
+    short = stages_past_the_limit(stages, time_limit_s)
+    if short:
+        lines.append(f"# if every stage used its whole limit, these would be cut short or not run: {', '.join(short)}")
+    return lines
+
+
+
+def _gpu_name_without_a_context() -> Optional[str]:
+    """The GPU's name from nvidia-smi, else from a child process: this process must not hold a CUDA
+    context (~0.5 GB of GPU memory) while the stages measure memory."""
+    for command in (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "--id=0"],
+                    [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"]):
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0].strip()
+    return None
+
+
+def _label_of(name: Optional[str]) -> str:
+    """results/<label>/ for a GPU name, as tempo.bench.hardware.device_label makes it."""
+    from tempo.bench.hardware import known_gpu
+
+    if not name:
+        return "cuda"
+    name = known_gpu(name) or name
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def _new_run_dir(root: str, label: str) -> Path:
+    base = Path(root) / label
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = base / stamp, 1
+    while path.exists():
+        path, n = base / f"{stamp}-{n}", n + 1
+    return path
+
+
+def write_tarball(out: Path, tarball: Path, results_root: Path) -> Path:
+    """``out`` packed into ``tarball`` (gzip), its members named by ``out``'s path under
+    ``results_root`` (else by its own name), and summary.md copied beside the tarball."""
+    import shutil
+    import tarfile
+
+    try:
+        arcname = str(out.resolve().relative_to(results_root.resolve()))
+    except ValueError:
+        arcname = out.name
+    tarball.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(out, arcname=arcname)
+    if (out / "summary.md").exists():
+        shutil.copyfile(out / "summary.md", tarball.parent / "summary.md")
+    return tarball
+
+
+def _quick_environment(name: Optional[str]) -> dict[str, Any]:
+    """What the suite's own process knows without a CUDA context (the env stage records the rest)."""
+    import platform
+
+    import torch
+
+    from tempo.bench.hardware import known_gpu
+    from tempo.utils import git_commit
+
+    try:
+        from importlib import metadata
+
+        triton_version = metadata.version("triton")
+    except Exception:  # noqa: BLE001 - not installed
+        triton_version = None
+    driver = None
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "--id=0"],
+                             capture_output=True, text=True, timeout=30)
+        driver = smi.stdout.strip() or None if smi.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"device_name": name, "gpu": known_gpu(name) if name else None, "driver": driver, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton_version, "python": platform.python_version(),
+            "host": platform.node(), **{f"git_{k}": v for k, v in git_commit().items()}}
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
     from tempo.bench.common import BenchError
-    from tempo.bench.hardware import device_label, environment
-    from tempo.bench.results import new_results_dir
 
     if args.time_limit is not None and args.time_limit <= 0:
         raise BenchError(f"--time-limit must be positive, got {args.time_limit}")
+    plan = "full" if args.full or args.part is not None else "quick"
     on_cuda = torch.cuda.is_available()
     if not on_cuda and not args.dry_run:
         raise BenchError(f"no CUDA GPU visible (torch {torch.__version__}, built for CUDA {torch.version.cuda}): "
                          f"the GPU suite needs one; --dry-run prints its stages")
-    label = device_label("cuda") if on_cuda else "cpu"
+    if plan == "full":
+        from tempo.bench.hardware import device_label
+
+        label = device_label("cuda") if on_cuda else "cpu"
+        name = None
+    else:
+        name = _gpu_name_without_a_context() if on_cuda else None
+        label = _label_of(name) if on_cuda else "cpu"
     if args.dry_run:
         out = Path(args.out_dir) if args.out_dir else Path(args.results_root) / label / time.strftime("%Y%m%d-%H%M%S")
-        stages = select_stages(build_stages(out.resolve(), label), args.stages, args.part)
-        time_limit = _time_limit(args, stages)
+        stages = select_stages(plan_stages(plan, out.resolve(), label), args.stages, args.part)
+        time_limit = _time_limit(args, stages, plan)
+        if plan == "quick":
+            print(f"# gpu-suite dry run, quick plan: {len(stages)} stages, no stage starts after {time_limit:.0f} s, "
+                  f"results would go to {out}/ (cwd {REPO})")
+            print("# stage\tlimit s\tstarts by s\tcommand")
+            start = 0.0
+            for s in stages:
+                print(f"{s.name}\t{s.timeout_s:.0f}\t{min(start, time_limit):.0f}\t{s.command}")
+                start += s.timeout_s
+            for line in quick_budget_lines(stages, time_limit):
+                print(line)
+            return 0
         print(f"# gpu-suite dry run: {len(stages)} stages, time limit {time_limit:.0f} s, "
               f"results would go to {out}/ (cwd {REPO})")
         for s in stages:
@@ -619,23 +779,36 @@ def main(args: argparse.Namespace) -> int:
             print(line)
         return 0
 
-    out = Path(args.out_dir) if args.out_dir else new_results_dir(args.results_root, "cuda")
+    if args.out_dir:
+        out = Path(args.out_dir)
+    elif plan == "quick":
+        out = _new_run_dir(args.results_root, label)
+    else:
+        from tempo.bench.results import new_results_dir
+
+        out = new_results_dir(args.results_root, "cuda")
     out.mkdir(parents=True, exist_ok=True)
     out = out.resolve()
-    every_stage = build_stages(out, label)
+    every_stage = plan_stages(plan, out, label)
     stages = select_stages(every_stage, args.stages, args.part)
-    time_limit = _time_limit(args, stages)
+    time_limit = _time_limit(args, stages, plan)
     short = stages_past_the_limit(stages, time_limit)
     if short:
         print(f"[gpu-suite] note: the selected stages' limits add up to {sum(s.timeout_s for s in stages):.0f} s, "
               f"more than --time-limit {time_limit:.0f} s: {', '.join(short)} may be cut short or not run",
               file=sys.stderr, flush=True)
     carried, earlier_commands = earlier_run(out)
-    env = environment("cuda")
+    if plan == "quick":
+        env = _quick_environment(name)
+    else:
+        from tempo.bench.hardware import environment
+
+        env = environment("cuda")
     commit, dirty = env.get("git_commit"), env.get("git_dirty")
     if commit is None and os.environ.get("TEMPO_GIT_COMMIT"):  # the image has no .git: build.sh bakes it in
-        commit, dirty = os.environ["TEMPO_GIT_COMMIT"] + " (from the image build)", None
-    header = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": _invocation(getattr(args, "argv", None)),
+        commit, dirty = os.environ["TEMPO_GIT_COMMIT"] + " (from TEMPO_GIT_COMMIT)", None
+    header = {"plan": plan, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "command": _invocation(getattr(args, "argv", None)),
               # scripts/gpu_check.sh exports its own command line here
               "invoked_as": os.environ.get("TEMPO_GPU_CHECK_COMMAND"), "cwd": os.getcwd(), "time_limit_s": time_limit,
               "git_commit": commit, "git_dirty": dirty, "env": env,
@@ -643,11 +816,12 @@ def main(args: argparse.Namespace) -> int:
               "earlier_commands": earlier_commands}
     from tempo.utils import atomic_write_text
 
-    atomic_write_text(out / "env.json", json.dumps(env, indent=2) + "\n")
+    if plan == "full":  # the quick plan's env stage writes env.json
+        atomic_write_text(out / "env.json", json.dumps(env, indent=2) + "\n")
     earlier = (out / "command.txt").read_text() if earlier_commands and (out / "command.txt").exists() else ""
     atomic_write_text(out / "command.txt", earlier + "".join(f"{c}\n" for c in (header["invoked_as"], header["command"]) if c)
                       + f"# cwd: {header['cwd']}\n")
-    print(f"[gpu-suite] {env.get('device_name')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+    print(f"[gpu-suite] {plan} plan on {env.get('device_name')}, torch {env.get('torch')}, triton {env.get('triton')}, "
           f"CUDA {env.get('cuda')}, driver {env.get('driver')}; results in {out}", flush=True)
     # SIGTERM (e.g. from `timeout`) becomes KeyboardInterrupt: the running stage's process group
     # is stopped and the reports say where the suite was interrupted.
@@ -656,6 +830,9 @@ def main(args: argparse.Namespace) -> int:
         results = run_suite(stages, out, time_limit, header, carried=carried, order=[s.name for s in every_stage])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if args.tarball:
+            packed = write_tarball(out, Path(args.tarball), Path(args.results_root))
+            print(f"[gpu-suite] packed {out} into {packed}", flush=True)
     bad = [r.name for r in results if r.status != "ok"]
     print(f"[gpu-suite] {len(results) - len(bad)} of {len(results)} stages ok; summary: {out / 'summary.md'}"
           + (f"; not ok: {', '.join(bad)}" if bad else ""), flush=True)
