@@ -9,8 +9,8 @@ copies: softmax output, dropout mask, dropout output) and its relative-position 
 1. Largest batch. The bytes autograd keeps for backward over one training forward of B documents
    padded to --max_seq_length (tempo.memory.ActivationLedger, train mode, dropout on), and from them
    the largest B whose activations plus the training state (fp32 weights + gradients + two Adam
-   moments = 16 bytes per parameter) fit --memory_budget: the main job's rule
-   (``tempo.tasks.demo.largest_batch``).
+   moments = 16 bytes per parameter) fit --memory_budget (activations are linear in the batch;
+   ``tempo.plan`` counts a whole step's peak instead).
 2. Training. ``Trainer`` on --max_steps steps, stock and ``apply_tempo(model)`` (same seed, same
    data, dropout on): the final loss and samples/s of each.
 
@@ -92,8 +92,13 @@ def training_state_bytes(model) -> int:
     return sum(p.numel() for p in model.parameters()) * 4 * 4
 
 
+def largest_batch(kept: int, batch: int, state_bytes: int, budget: int) -> int:
+    """The largest batch whose activations (``kept`` for ``batch`` sequences, linear in the batch) plus
+    the training state fit ``budget``."""
+    return max(0, int((budget - state_bytes) // (kept / batch)))
+
+
 def format_batch_table(kept: dict[str, int], batch: int, tokens: int, state_bytes: int, budget: int) -> str:
-    from tempo.tasks.demo import largest_batch
     from tempo.utils import format_bytes
 
     fits = {name: largest_batch(k, batch, state_bytes, budget) for name, k in kept.items()}

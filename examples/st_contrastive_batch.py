@@ -1,4 +1,4 @@
-"""Contrastive training of the shipped all-MiniLM-L6-v2 with sentence-transformers, with and without Tempo.
+"""Contrastive sentence-transformers training (all-MiniLM-L6-v2, all-mpnet-base-v2's geometry) with and without Tempo.
 
 MultipleNegativesRankingLoss (InfoNCE with in-batch negatives) gets better with bigger batches:
 every other pair in the batch is a negative. The batch is bounded by memory, so this example
@@ -8,7 +8,8 @@ measures what Tempo buys there, then trains both ways:
    (tempo.memory.ActivationLedger; anchors and positives padded to --max_seq_length, so 2B
    sequences of exactly that many tokens), and from them the largest B whose activations plus
    the training state (fp32 weights + gradients + two Adam moments = 16 bytes per parameter)
-   fit --memory_budget: the rule of the main job (``tempo.tasks.demo.largest_batch``).
+   fit --memory_budget (activations are linear in the batch; ``tempo.plan`` counts a whole step's
+   peak instead).
 2. Training. ``SentenceTransformerTrainer`` + ``MultipleNegativesRankingLoss`` for --max_steps,
    stock and ``apply_tempo(model)`` (same seed, same data): the final loss and samples/s each.
 3. GradCache check. ``CachedMultipleNegativesRankingLoss`` embeds mini-batches under no_grad,
@@ -20,10 +21,17 @@ measures what Tempo buys there, then trains both ways:
 The pairs are local (no download): the project's generated corpus, anchor = a document's first
 sentence, positive = another sentence of the document that names its subject again.
 
+``--model mpnet``: all-mpnet-base-v2's geometry (the most-downloaded sentence-transformers model:
+MPNetModel, 12 layers, h 768, 12 heads, relative position bias, dropout 0.1, mean pooling,
+normalised) built from its config with random weights (no download; the shipped MiniLM's uncased
+WordPiece tokenizer stands in for MPNet's, whose 30527 ids include its 30522). Its losses say
+nothing about quality; the bytes, the largest batch and the GradCache check are the point.
+
     python examples/st_contrastive_batch.py                              # all three parts
     python examples/st_contrastive_batch.py --memory_budget 4GiB --max_seq_length 256
     python examples/st_contrastive_batch.py --only tempo --max_steps 50  # train one variant
     python examples/st_contrastive_batch.py --max_steps 0                # no training
+    python examples/st_contrastive_batch.py --model mpnet --max_steps 0 --max_seq_length 384 --memory_budget 24GiB
 
 Exit status 1 when a GradCache check fails. The trainer needs `accelerate`; without it the
 script says so and exits with 2.
@@ -87,6 +95,32 @@ def load_minilm():
     return SentenceTransformer(str(minilm_dir()), device="cpu")
 
 
+# all-mpnet-base-v2's config.json (what MPNetConfig does not default to the same value)
+MPNET_BASE = dict(vocab_size=30527, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                  intermediate_size=3072, max_position_embeddings=514, relative_attention_num_buckets=32,
+                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, layer_norm_eps=1e-5)
+MPNET_POSITION_OFFSET = 2  # MPNet's positions start at padding_idx + 1 = 2
+
+
+def build_mpnet(seed: int = 0, **overrides: Any):
+    """A SentenceTransformer of all-mpnet-base-v2's geometry (``MPNET_BASE``, ``overrides`` on top),
+    random weights: MPNetModel, mean pooling, normalisation, as all-mpnet-base-v2 is; the shipped
+    MiniLM's tokenizer (see the module docstring)."""
+    from transformers import MPNetConfig, MPNetModel
+
+    model = load_minilm()
+    torch.manual_seed(seed)
+    config = MPNetConfig(**{**MPNET_BASE, **overrides})
+    model[0].model = MPNetModel(config, add_pooling_layer=False)
+    model[0].max_seq_length = config.max_position_embeddings - MPNET_POSITION_OFFSET
+    model[1] = type(model[1])(config.hidden_size, pooling_mode="mean")
+    return model
+
+
+MODELS = {"minilm": ("all-MiniLM-L6-v2", load_minilm),
+          "mpnet": ("all-mpnet-base-v2's geometry (random weights)", build_mpnet)}
+
+
 def padded_features(model, texts: list[str], max_seq_length: int) -> dict[str, Any]:
     """The model's inputs for ``texts``, every row padded (or cut) to exactly ``max_seq_length``."""
     return model.preprocess(texts, processing_kwargs={"text": {"padding": "max_length", "truncation": True,
@@ -115,8 +149,13 @@ def training_state_bytes(model) -> int:
     return sum(p.numel() for p in model.parameters()) * 4 * 4
 
 
+def largest_batch(kept: int, batch: int, state_bytes: int, budget: int) -> int:
+    """The largest batch whose activations (``kept`` for ``batch`` pairs, linear in the batch) plus
+    the training state fit ``budget``."""
+    return max(0, int((budget - state_bytes) // (kept / batch)))
+
+
 def format_batch_table(rows: dict[str, int], pairs: int, state_bytes: int, budget: int) -> str:
-    from tempo.tasks.demo import largest_batch
     from tempo.utils import format_bytes
 
     header = ("variant", "bytes kept per pair", f"largest batch in {format_bytes(budget)}")
@@ -274,6 +313,9 @@ def format_check(variant: str, r: dict[str, Any]) -> str:
 # -- main ----------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=tuple(MODELS), default="minilm",
+                        help="minilm: the shipped all-MiniLM-L6-v2; mpnet: all-mpnet-base-v2's geometry (random "
+                             "weights)")
     parser.add_argument("--only", choices=VARIANTS, default=None, help="train one variant (default: both)")
     parser.add_argument("--max_steps", type=non_negative_int, default=20,
                         help="optimizer steps per run (0: no training)")
@@ -311,14 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     if len(anchors) < needed:
         parser.error(f"--num_documents: {args.num_documents} documents give {len(anchors)} pairs, fewer than "
                      f"the {needed} that --measure_pairs/--check_pairs need")
-    stock_model = load_minilm()
+    model_name, load = MODELS[args.model]
+    stock_model = load()
     config = stock_model[0].auto_model.config
-    if args.max_seq_length > config.max_position_embeddings:
-        parser.error(f"--max_seq_length: {args.max_seq_length} is more than MiniLM's "
-                     f"{config.max_position_embeddings} positions")
+    positions = config.max_position_embeddings - (MPNET_POSITION_OFFSET if args.model == "mpnet" else 0)
+    if args.max_seq_length > positions:
+        parser.error(f"--max_seq_length: {args.max_seq_length} is more than {model_name}'s {positions} positions")
     tempo_model = apply_tempo(copy.deepcopy(stock_model))
     print(f"{len(anchors)} (anchor, positive) pairs from {args.num_documents} generated documents; "
-          f"all-MiniLM-L6-v2, {sum(w.numel() for w in stock_model.parameters()) / 1e6:.1f}M parameters, dropout "
+          f"{model_name}, {sum(w.numel() for w in stock_model.parameters()) / 1e6:.1f}M parameters, dropout "
           f"{config.hidden_dropout_prob} hidden / {config.attention_probs_dropout_prob} attention; "
           f"Tempo: {tempo_patched(tempo_model)}")
 

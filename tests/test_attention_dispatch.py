@@ -389,6 +389,37 @@ def test_float_mask_with_dropout_runs_the_reference_op_whatever_its_requires_gra
     assert h100.calls[0]["p"] == 0.1 and h100.calls[0]["mask"].dtype == torch.bool
 
 
+@pytest.mark.parametrize("case", ["learned", "dropout", "beside_a_mask"])
+def test_attn_bias_runs_the_reference_op_where_a_fused_kernel_would_keep_or_draw_otherwise(h100, caplog, case):
+    """MPNet's batch-shared bias [1, h, s, s]: with a backward it runs the reference op when it
+    requires grad, when dropout is on (the float-mask rule), or beside a padding mask (sdpa takes one
+    mask: the merged one would be (b, h, s, s) and kept); alone, frozen, without dropout, it is the
+    fused efficient kernel's mask as given."""
+    q, k, v = _qkv(torch.bfloat16, s=16, d=16)
+    bias = torch.randn(1, 2, 16, 16, requires_grad=case == "learned")
+    kwargs = dict(attn_bias=bias, dropout_p=0.1 if case == "dropout" else 0.0)
+    if case == "beside_a_mask":
+        kwargs["attn_mask"] = _padding_mask(2, 16, "bool", torch.float32)
+    with caplog.at_level(logging.WARNING, logger="tempo"):
+        out = efficient_attention(q, k, v, **kwargs)
+    assert h100.calls == [] and out.grad_fn is not None
+    assert any("attn_bias" in m for m in _fallback_logs(caplog))
+    efficient_attention(q, k, v, attn_bias=bias.detach())
+    assert [c["chosen"] for c in h100.calls] == [EFFICIENT] and h100.calls[0]["mask"].shape == (1, 2, 16, 16)
+
+
+def test_attn_bias_without_a_backward_merges_into_stock_sdpas_mask(h100):
+    q, k, v = _qkv(torch.float32, s=16, d=16, grad=False)
+    bias = torch.randn(1, 2, 16, 16)
+    valid = _padding_mask(2, 16, "bool", torch.float32)
+    out = efficient_attention(q, k, v, attn_mask=valid, attn_bias=bias)
+    merged = h100.calls[0]["mask"]
+    assert merged.shape == (2, 2, 16, 16) and torch.isinf(merged[1, :, :, 8:]).all()
+    with sdpa_kernel([MATH]):
+        want = _REAL_SDPA(q, k, v, attn_mask=bias.masked_fill(~valid, float("-inf")))
+    torch.testing.assert_close(out, want)
+
+
 def test_seed_with_dropout_on_the_fused_path_is_an_error(h100):
     with pytest.raises(ValueError, match="'seed'"):
         efficient_attention(*_qkv(torch.bfloat16), dropout_p=0.1, seed=torch.tensor(3))
@@ -572,13 +603,15 @@ def test_no_backward_with_a_seed_runs_the_seeded_reference_op():
     assert torch.equal(no_grad, with_grad.detach())
 
 
-def test_no_backward_under_autocast_keeps_the_fp32_mask():
-    """q, k, v are cast to the autocast dtype as sdpa would; the fp32 finfo.min mask is added as
-    it is (under autocast sdpa would cast it, and in fp16 finfo32.min is -inf)."""
+def test_no_backward_under_autocast_casts_the_mask_as_sdpa():
+    """Under autocast sdpa casts q, k, v and a float mask to the autocast dtype (its autocast
+    policy); so does this op: an fp32 finfo.min row becomes -inf in fp16, a fully masked row, 0."""
     q, k, v = _qkv(torch.float32, s=6, d=8, grad=False)
     mask = torch.zeros(2, 1, 6, 6)
     mask[0, 0, 2] = torch.finfo(torch.float32).min
     with torch.autocast("cpu", dtype=torch.float16):
         out = efficient_attention(q, k, v, attn_mask=mask)
-    assert out.dtype == torch.float16
-    torch.testing.assert_close(out[0, :, 2].float(), v[0].half().float().mean(dim=1), atol=2e-3, rtol=2e-3)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out.dtype == want.dtype == torch.float16
+    assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2])) and torch.equal(want[0, :, 2], out[0, :, 2])
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)

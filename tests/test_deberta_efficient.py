@@ -154,7 +154,7 @@ def test_positional_arguments_are_read_as_the_models_forward_names_them():
         assert not torch.allclose(patched(input_ids=row, position_ids=positions).logits, patched(input_ids=row).logits)
 
 
-def test_padding_free_refuses_the_convolution_layer_and_padding():
+def test_padding_free_refuses_the_convolution_layer_padding_and_gradient_checkpointing():
     model = apply_tempo(deberta(conv_kernel_size=3))
     row = torch.randint(3, 100, (1, 12))
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]])
@@ -166,6 +166,14 @@ def test_padding_free_refuses_the_convolution_layer_and_padding():
     mask[0, -2:] = 0
     with pytest.raises(ValueError, match="padding-free batch .* with padding"):
         plain(input_ids=row, attention_mask=mask, position_ids=positions)
+    # Gradient checkpointing recomputes the layers in backward, after the call that carries the packing.
+    plain.train().gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="cannot run with gradient checkpointing"):
+        plain(input_ids=row, position_ids=positions)
+    with torch.no_grad():
+        plain(input_ids=row, position_ids=positions)  # nothing is recomputed without a backward
+    plain.gradient_checkpointing_disable()
+    plain(input_ids=row, position_ids=positions).logits.sum().backward()
 
 
 def test_position_dropout_is_the_models_own():
@@ -196,7 +204,7 @@ def test_position_dropout_is_the_models_own():
 
 def test_calls_it_cannot_run_exactly_run_the_original_forward(caplog, monkeypatch):
     """A pair mask that is not m_i·m_j (the layer called directly: DeBERTa's model takes [B, S]
-    masks only), and a call asking for the probabilities: the original forward, logged once."""
+    masks only), and a call asking for the probabilities: the original forward, logged once per reason."""
     import tempo.integrations.deberta as deberta_module
 
     torch.manual_seed(0)
@@ -209,14 +217,17 @@ def test_calls_it_cannot_run_exactly_run_the_original_forward(caplog, monkeypatc
     assert isinstance(layer_t, DebertaEfficientAttention)
     hidden = torch.randn(3, 40, 32)
     rel = stock.deberta.encoder.get_rel_embedding()
-    monkeypatch.setattr(deberta_module, "_logged_weights", False)
+    monkeypatch.setattr(deberta_module, "_logged_reasons", set())
     with caplog.at_level(logging.INFO, logger="tempo.integrations.deberta"), torch.no_grad():
         got = layer_t(hidden, pairs, rel_embeddings=rel)[0]
+        layer_t(hidden, pairs, rel_embeddings=rel)
         want = layer_s(hidden, pairs, rel_embeddings=rel)[0]
         weights = patched(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert len(weights) == 2 and weights[0].shape == (3, 2, 40, 40)
-    assert sum("runs the model's own attention" in m for m in caplog.messages) == 1
+    lines = [m for m in caplog.messages if "runs the model's own attention" in m]
+    assert len(lines) == 2, lines  # two reasons, each once (two layers, two calls)
+    assert "not a [B, S] padding mask" in lines[0] and "asking for the attention probabilities" in lines[1]
 
 
 def test_a_mask_or_positions_written_in_place_are_read_again():
@@ -294,3 +305,199 @@ def test_the_projects_unpadded_layout_reaches_deberta():
                                    max_length_q=layout.max_seqlen, max_length_k=layout.max_seqlen)
     assert relative_l2(layout.pad(packed_out[0])[mask.bool()], padded_out[mask.bool()]) < 1e-5
     assert relative_l2(packed_grads, padded_grads) < 1e-5
+
+
+# Configs transformers runs whose log buckets degenerate (issue 35.4): max_relative_positions - 1 <=
+# position_buckets // 2 (small DeBERTa-v3 configs: max_position_embeddings <= 129 with 256 buckets).
+DEGENERATE = {
+    "v3-small-128-positions": dict(position_buckets=256, max_relative_positions=-1, max_position_embeddings=128),
+    "129-positions": dict(position_buckets=256, max_relative_positions=-1, max_position_embeddings=129),
+    "relative-64-buckets-256": dict(position_buckets=256, max_relative_positions=64, max_position_embeddings=512),
+}
+
+
+@pytest.mark.parametrize("setting", [*DEGENERATE, "130-positions"])
+def test_small_v3_configs_run_the_op_where_exact_and_the_original_beyond(setting, caplog, monkeypatch):
+    """Before: the op refused these position settings, the numerical check failed, and the log said
+    "transformers' forward differs". transformers' buckets are the identity up to distance
+    position_buckets // 2 = 128 (what every shorter sequence uses): the op runs them with identity
+    buckets; a longer sequence (its buckets fold back) runs the original forward, logged with that
+    reason. With 130 positions the log buckets are regular: the op runs every length."""
+    import tempo.integrations.deberta as deberta_module
+
+    overrides = DEGENERATE.get(setting, dict(position_buckets=256, max_relative_positions=-1,
+                                             max_position_embeddings=130))
+    torch.manual_seed(0)
+    stock = deberta(**overrides).train()
+    patched = copy.deepcopy(stock)
+    with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
+        apply_tempo(patched)
+    assert tempo_patched(patched)["DebertaEfficientAttention"] == 2, caplog.messages
+    op_calls = []
+    real_op = deberta_module.disentangled_attention
+    monkeypatch.setattr(deberta_module, "disentangled_attention", lambda *a, **k: op_calls.append(k) or real_op(*a, **k))
+    monkeypatch.setattr(deberta_module, "_logged_reasons", set())
+    caplog.clear()
+    for length, runs_op in ((40, True), (129, True), (140, setting not in DEGENERATE)):
+        op_calls.clear()
+        ids, mask = padded_batch(length)
+        with caplog.at_level(logging.INFO, logger="tempo.integrations.deberta"):
+            out_t, grads_t = run(patched, ids, mask)
+        out_s, grads_s = run(stock, ids, mask)
+        assert len(op_calls) == (2 if runs_op else 0), (length, len(op_calls))
+        assert relative_l2(out_t, out_s) < 1e-5 and relative_l2(grads_t, grads_s) < 1e-5, length
+    expected = [m for m in caplog.messages if "log buckets degenerate" in m]
+    assert len(expected) == (1 if setting in DEGENERATE else 0), caplog.messages
+
+
+def test_one_position_bucket_is_left_alone_with_transformers_own_reason(caplog):
+    """position_buckets=1: transformers itself cannot run the model (make_log_bucket_position divides
+    by position_buckets // 2 = 0); apply_tempo leaves the attention alone and says why, never
+    "transformers' forward differs"."""
+    torch.manual_seed(0)
+    model = deberta(position_buckets=1)
+    ids, mask = padded_batch(12)
+    with pytest.raises(ZeroDivisionError):
+        model(input_ids=ids, attention_mask=mask)
+    with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
+        apply_tempo(model)
+    assert "DebertaEfficientAttention" not in tempo_patched(model)
+    reasons = [m for m in caplog.messages if "DeBERTa attention" in m and "alone" in m]
+    assert len(reasons) == 1 and "divides by position_buckets // 2 = 0" in reasons[0], caplog.messages
+    assert not any("forward differs" in m or "in its own layers" in m for m in caplog.messages), caplog.messages
+    with pytest.raises(ImportError, match="divides by position_buckets // 2 = 0"):
+        apply_tempo(deberta(position_buckets=1), attention="efficient")
+
+
+# ---------------------------------------------------------------------------------------------
+# Test-gap classes of issue 35's mutation run, as they live in DeBERTa's integration
+# ---------------------------------------------------------------------------------------------
+def _pair_mask(real):
+    return (real[:, None, :, None] * real[:, None, None, :])
+
+
+def _refill_mask_in_place(args, kwargs):  # an in-place write: the tensor's version changes
+    mask = args[1]
+    real = torch.ones(mask.shape[0], mask.shape[-1], dtype=mask.dtype)
+    real[0, 5:] = 0
+    mask.copy_(_pair_mask(real))
+
+
+def _swap_mask_memory(args, kwargs):  # .data swapped for other memory: same version, dtype, geometry
+    mask = args[1]
+    real = torch.ones(mask.shape[0], mask.shape[-1], dtype=mask.dtype)
+    real[2, 3:] = 0
+    mask.data = _pair_mask(real).contiguous()
+
+
+def _positions_read_as_another_dtype(args, kwargs):  # the same memory as float64: transformers reads 0s
+    positions = kwargs["relative_pos"]
+    positions.data = positions.data.view(torch.float64)
+
+
+def _positions_transposed(args, kwargs):  # another view of the same memory: only the strides change
+    positions = kwargs["relative_pos"]
+    positions.data = positions.data.transpose(-1, -2)
+
+
+CHANGES = {"version": _refill_mask_in_place, "data-pointer": _swap_mask_memory,
+           "dtype": _positions_read_as_another_dtype, "geometry": _positions_transposed}
+
+
+@pytest.mark.parametrize("field", list(CHANGES))
+def test_what_a_call_remembers_of_its_mask_and_positions_is_keyed_on_every_field(field):
+    """Class "a per-tensor cache key missing a field": within one model call the layers share what
+    was checked of the pair mask and the relative positions (one host read each). A hook between
+    the layers changes the tensors the next layer gets while the objects stay the same — an
+    in-place write, other memory, the same memory as another dtype, another view of it: the next
+    layer must see the change, as the stock model's does."""
+    torch.manual_seed(0)
+    stock = deberta().eval()
+    with torch.no_grad():
+        stock.deberta.encoder.LayerNorm.weight.mul_(10)  # positions weigh as much as content (not so at init)
+    patched = apply_tempo(copy.deepcopy(stock)).eval()
+    ids, mask = padded_batch(16)
+    with torch.no_grad():
+        unchanged = stock(input_ids=ids, attention_mask=mask).logits
+    for model in (stock, patched):
+        model.deberta.encoder.layer[1].register_forward_pre_hook(
+            lambda module, args, kwargs: CHANGES[field](args, kwargs), with_kwargs=True)
+    with torch.no_grad():
+        want = stock(input_ids=ids, attention_mask=mask).logits
+        got = patched(input_ids=ids, attention_mask=mask).logits
+    assert relative_l2(unchanged, want) > 1e-4  # the change matters to the stock model (10x the tolerance below)
+    assert relative_l2(got, want) < 1e-5
+
+
+def _spy(monkeypatch, name, calls):
+    import tempo.integrations.deberta as deberta_module
+
+    real = getattr(deberta_module, name)
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["dropout_p"], kwargs["training"]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(deberta_module, name, spy)
+
+
+@pytest.mark.parametrize("switch", ["rate", "dropout-module-off", "dropout-module-on"])
+@pytest.mark.parametrize("path", ["padded", "varlen", "original-forward"])
+def test_the_held_dropouts_rate_and_flag_reach_every_path(path, switch, monkeypatch):
+    """Class "a held dropout's train flag or rate ignored in one path": the attention dropout is the
+    nn.Dropout the layer held before the patch, read at every call on every path — the padded op,
+    the variable-length op, the original forward (a call asking for the probabilities). Changed
+    after the patch: its rate (0.1 -> 0.3), its own flag off in a training model, its own flag on in
+    an eval model (nn.Dropout reads its own flag, so the stock model drops there too)."""
+    torch.manual_seed(0)
+    stock = deberta(attention_probs_dropout_prob=0.1)
+    patched = apply_tempo(copy.deepcopy(stock), gelu=False, layernorm=False, dropout_add_layernorm=False)
+    for model in (stock, patched):
+        model.train(switch != "dropout-module-on")
+        for layer in model.deberta.encoder.layer:
+            held = layer.attention.self.dropout
+            if switch == "rate":
+                held.p = 0.3
+            else:
+                held.train(switch == "dropout-module-on")
+    held = [layer.attention.self.dropout for layer in patched.deberta.encoder.layer]
+    expected = [(d.p, d.training) for d in held]
+    assert expected == [{"rate": (0.3, True), "dropout-module-off": (0.1, False),
+                         "dropout-module-on": (0.1, True)}[switch]] * 2
+    calls = []
+    if path == "padded":
+        _spy(monkeypatch, "disentangled_attention", calls)
+        ids, mask = padded_batch(16)
+        patched(input_ids=ids, attention_mask=mask)
+        assert calls == expected
+    elif path == "varlen":
+        _spy(monkeypatch, "disentangled_attention_varlen", calls)
+        patched(input_ids=torch.randint(3, 100, (1, 12)), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]]))
+        assert calls == expected
+    else:  # the original forward: the stock model's draws, in the same order
+        ids, _ = padded_batch(16)  # no padding: a 0 in the probabilities is a dropped one
+        outputs = []
+        for model in (stock, patched):
+            torch.manual_seed(3)
+            outputs.append(model(input_ids=ids, output_attentions=True).attentions[0])
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+        dropped = bool((outputs[0] == 0).any())
+        assert dropped == expected[0][1]  # it really drops exactly when the flag says so
+
+
+def test_a_packed_row_of_a_small_v3_config_attends_within_each_sequence():
+    """A padding-free row longer than position_buckets // 2 + 1 in a degenerate config: its sequences
+    are short, so the op runs them (identity buckets per sequence); a sequence longer than that
+    cannot run exactly and the original forward would cross the sequences: refused."""
+    torch.manual_seed(0)
+    stock = deberta(**DEGENERATE["relative-64-buckets-256"]).train()  # buckets are the identity up to 128
+    patched = apply_tempo(copy.deepcopy(stock))
+    lengths = [100, 60]
+    g = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(3, 100, (1, n), generator=g) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    out, _ = run(patched, torch.cat(sequences, 1), position_ids=positions)
+    alone = torch.cat([run(stock, seq)[0] for seq in sequences], 1)
+    assert relative_l2(out, alone) < 1e-5
+    long = torch.randint(3, 100, (1, 150), generator=g)
+    with pytest.raises(ValueError, match="padding-free batch with a sequence longer than"):
+        patched(input_ids=long, position_ids=torch.cat([torch.arange(140), torch.arange(10)])[None])

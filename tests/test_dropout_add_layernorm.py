@@ -21,7 +21,7 @@ from tempo.ops.dropout_add_layernorm import (
     dropout_add_layernorm,
     dropout_add_layernorm_keep_mask,
 )
-from tempo.ops.layernorm import InplaceLayerNorm
+from tempo.ops.layernorm import InplaceLayerNorm, plan_kept_columns
 
 # Max error relative to max(1, max|reference|): fp32 tight; fp16/bf16 carry the rounding of y in
 # the output dtype (x̂ is recovered from it) and, in the interpreter, one bf16 ULP from truncation.
@@ -595,9 +595,12 @@ def test_opcheck(backend, device, with_affine, training):
     seed = torch.tensor(17, device=device)
     if with_affine:
         with torch.no_grad():
-            weight[2] = 0.0  # one kept column: the data-dependent outputs are exercised too
+            weight[2] = 0.0  # one kept column: a K > 0 plan is exercised too
+    plan = plan_kept_columns(weight, bias, torch.float32, 8, device, "dal")
+    assert (2 in plan.tolist()) == with_affine
     torch.library.opcheck(torch.ops.tempo.dropout_add_layernorm_fwd.default,
-                          (x, residual, [8], weight, bias, seed, 1e-5, 0.3, training, torch.float32, backend, "dal"))
+                          (x, residual, [8], weight, bias, plan, seed, 1e-5, 0.3, training, torch.float32, backend,
+                           "dal"))
     # The backward op runs inside backward only (no double backward): no input requires grad.
     params = [t.detach() if t is not None else None for t in (weight, bias)]
     cols = torch.tensor([2] if with_affine else [], dtype=torch.int64, device=device)
@@ -647,7 +650,8 @@ def test_bad_module_and_helper_arguments_are_named():
         dropout_add_layernorm_keep_mask(torch.tensor(1), (2, 3), 0.1, "cpu", "auto")
     with pytest.raises(ValueError, match="'backend'"):
         torch.ops.tempo.dropout_add_layernorm_fwd(torch.randn(2, 4), torch.randn(2, 4), [4], None, None,
-                                                 torch.tensor(1), 1e-5, 0.1, True, torch.float32, "auto", "dal")
+                                                 torch.empty(0, dtype=torch.int64), torch.tensor(1), 1e-5, 0.1,
+                                                 True, torch.float32, "auto", "dal")
 
 
 def test_triton_forced_on_fp64_names_the_dtype():

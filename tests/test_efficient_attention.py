@@ -418,6 +418,73 @@ def test_autocast_bf16_follows_sdpa():
     assert q.grad.dtype == torch.float32 and q.grad.abs().sum() > 0
 
 
+# ------------------------------------------------------------------------------------------------
+# attn_bias: a batch-shared learned bias beside a per-sample padding mask (MPNet)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("s", [9, 150], ids=["one-tile", "two-tiles"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_attn_bias_and_padding_mask_outputs_and_every_gradient(dtype, s, p):
+    """scores = scale·q·kᵀ + bias + mask with a [1, h, s, s] bias that requires grad and a bool
+    [b, 1, 1, s] padding mask: output, dq, dk, dv and the bias's gradient (summed over the batch)
+    against fp64 eager, dropout included (the very mask the op drew)."""
+    torch.manual_seed(0)
+    b, h, d = 3, 2, 16
+    q, k, v = _qkv(b, h, s, s, d, dtype)
+    bias = (torch.randn(1, h, s, s) * 3).requires_grad_()
+    valid = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    valid[1, ..., s // 3:] = False
+    g = torch.randn(b, h, s, d).to(dtype)
+    seed = torch.tensor(11)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = efficient_attention(*leaves, attn_mask=valid, dropout_p=p, seed=seed, attn_bias=bias)
+    out.backward(g)
+    keep = attention_keep_mask(seed, (b, h, s, s), p) if p else None
+    b64 = bias.detach().double().requires_grad_()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = (q64 @ k64.transpose(-1, -2) / math.sqrt(d) + b64).masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, -1)
+    want = (probs * keep / (1 - p) if p else probs) @ v64
+    want.backward(g.double())
+    _close(out.detach(), want.detach(), dtype, "out")
+    for got, exp, what in zip([t.grad for t in leaves], (q64.grad, k64.grad, v64.grad), ("dq", "dk", "dv")):
+        _close(got, exp, dtype, what)
+    # dbias (fp32, the bias's dtype) sums b·s score gradients: compared relative to its size, to the
+    # inputs' dtype's tolerance (D = rowsum(dO·O) reads the output rounded to that dtype).
+    assert bias.grad.dtype == torch.float32
+    atol, rtol = TOL[dtype]
+    size = b64.grad.abs().max()
+    torch.testing.assert_close(bias.grad.double() / size, b64.grad / size, atol=atol, rtol=rtol)
+
+
+def test_attn_bias_keeps_one_copy_and_no_batch_sized_tensor():
+    """What autograd keeps: q, k, v, the output, the stats, the seed, the [b, 1, 1, s] mask and the
+    [1, h, s, s] bias as given: nothing of size b·h·s·s."""
+    b, h, s, d = 4, 2, 32, 8
+    q, k, v = (t.requires_grad_() for t in _qkv(b, h, s, s, d, torch.float32))
+    bias = torch.randn(1, h, s, s, requires_grad=True)
+    valid = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    with ActivationLedger() as ledger:
+        efficient_attention(q, k, v, attn_mask=valid, attn_bias=bias, dropout_p=0.1)
+    assert ledger.activation_bytes == 4 * (4 * b * h * s * d + 2 * b * h * s + h * s * s) + b * s + 8
+
+
+@pytest.mark.parametrize("case,exc,words", [
+    ("int", TypeError, ["'attn_bias'", "floating-point"]),
+    ("shape", ValueError, ["'attn_bias'", "(1, 3, 5, 7)", "(2, 3, 5, 6)"]),
+    ("causal", ValueError, ["'attn_bias'", "'is_causal'"]),
+])
+def test_bad_attn_bias_names_the_argument(case, exc, words):
+    q, k, v = _qkv(2, 3, 5, 6, 8, torch.float32)
+    kw = {"int": dict(attn_bias=torch.zeros(1, 3, 5, 6, dtype=torch.int64)),
+          "shape": dict(attn_bias=torch.zeros(1, 3, 5, 7)),
+          "causal": dict(attn_bias=torch.zeros(1, 3, 5, 6), is_causal=True)}[case]
+    with pytest.raises(exc) as info:
+        efficient_attention(q, k, v, **kw)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
 def test_opcheck_custom_ops():
     q, k, v = _qkv(2, 2, 9, 11, 8, torch.float32)
     q.requires_grad_()
@@ -434,6 +501,10 @@ def test_opcheck_custom_ops():
     qkv = (q.detach(), k.detach(), v.detach())
     torch.library.opcheck(bwd, (g, *qkv, out, stats, mask, seed, 0.2, False, 0.3, True))
     torch.library.opcheck(bwd, (g, *qkv, out, stats, None, seed, 0.0, True, 0.3, False))
+    bias = torch.randn(1, 2, 9, 11, requires_grad=True)
+    torch.library.opcheck(fwd, (q, k, v, mask, seed, 0.2, False, 0.3, bias))
+    out, stats = fwd(*qkv, mask, seed, 0.2, False, 0.3, bias.detach())
+    torch.library.opcheck(bwd, (g, *qkv, out, stats, mask, seed, 0.2, False, 0.3, False, bias.detach(), True))
 
 
 def test_torch_compile_fullgraph():

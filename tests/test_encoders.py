@@ -155,7 +155,7 @@ def test_deberta_attention_choices(caplog):
 def test_deberta_attention_weights_come_from_the_original_forward(caplog, monkeypatch):
     import tempo.integrations.deberta as deberta_module
 
-    monkeypatch.setattr(deberta_module, "_logged_weights", False)  # logged once per process
+    monkeypatch.setattr(deberta_module, "_logged_reasons", set())  # logged once per process
     torch.manual_seed(0)
     model = deberta().eval()
     ids = torch.randint(3, 100, (2, 12))

@@ -174,3 +174,30 @@ def test_deberta_v2_attention_is_not_reported_as_patched(caplog):
         torch.testing.assert_close(model(input_ids=ids).logits, reference, atol=1e-5, rtol=0)
         model.config.output_attentions = True  # its own eager attention: transformers accepts it
         assert len(model(input_ids=ids).attentions) == 2
+
+
+@pytest.mark.parametrize("attention", list(IMPLEMENTATIONS))
+def test_weights_of_a_padding_free_batch_stay_within_each_sequence(attention):
+    """A call asking for weights runs eager attention; on a padding-free row (position_ids
+    restarting) it masks every cross-sequence pair too, as Tempo's attention does: the weights are
+    0 across sequences, each sequence's block is that sequence's own eager weights, and the output
+    is the one without weights."""
+    torch.manual_seed(0)
+    stock = bert().eval()
+    model = apply_tempo(copy.deepcopy(stock), attention=attention)
+    lengths = [4, 6, 3]
+    ids = torch.randint(3, 100, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=positions, output_attentions=True)
+        plain = model(input_ids=ids, position_ids=positions)
+    torch.testing.assert_close(got.last_hidden_state, plain.last_hidden_state, atol=1e-5, rtol=0)
+    start = 0
+    for n in lengths:
+        with torch.no_grad():
+            alone = stock(input_ids=ids[:, start:start + n], output_attentions=True)
+        for layer, weights in enumerate(got.attentions):
+            block = weights[..., start:start + n, :]
+            torch.testing.assert_close(block[..., start:start + n], alone.attentions[layer], atol=1e-6, rtol=0)
+            assert float(block.sum(-1).sub(1).abs().max()) < 1e-6  # nothing outside its own sequence
+        start += n

@@ -39,7 +39,21 @@ def gpt2():
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
 
 
-MODELS = {"bert": bert, "roberta": roberta, "electra": electra, "gpt2": gpt2}
+def llama():
+    return transformers.LlamaModel(transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=64, attention_dropout=0.0, attn_implementation="eager"))
+
+
+def gemma3():
+    # A sliding layer whose window (4) is shorter than the longest sequence (9), and a global one.
+    return transformers.Gemma3TextModel(transformers.Gemma3TextConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        intermediate_size=64, vocab_size=100, max_position_embeddings=64, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], attention_dropout=0.0, attn_implementation="eager"))
+
+
+MODELS = {"bert": bert, "roberta": roberta, "electra": electra, "gpt2": gpt2, "llama": llama, "gemma3": gemma3}
 
 
 def sequences(seed=0):
@@ -206,3 +220,97 @@ def test_packing_is_read_once_per_tensor_not_per_layer():
             packed_sequences(q, q, {**kwargs, "cu_seq_lens_k": torch.tensor(other, dtype=torch.int32)})
     with pytest.raises(ValueError, match="ends at 5"):
         packed_sequences(q, q, {"cu_seq_lens_q": torch.tensor([0, 2, 5])})
+
+
+# ---------------------------------------------------------------------------------------------
+# Read once per model call, by the call hooks (torch.compile traces the layers whole)
+# ---------------------------------------------------------------------------------------------
+def _host_reads(fn):
+    from test_host_reads import HostReadCounter
+
+    counter = HostReadCounter()
+    with counter.installed(), counter.counting():
+        result = fn()
+    return counter.sites, result
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_the_packing_is_read_once_per_model_call_and_never_in_a_layer(name):
+    """apply_tempo hooks the model (head and base); a call with position_ids restarting reads its
+    packing once, at the call (a fresh position tensor each time: no cache across calls), the
+    layers read nothing; a call without position_ids reads nothing at all (GPT-2's layers get
+    positions the model made: they are not read)."""
+    from tempo.integrations import hf_attention
+
+    model = apply_tempo(MODELS[name](), gelu=False, layernorm=False, dropout_add_layernorm=False).train()
+    assert [type(m).__name__ for m in model.modules() if hf_attention._hooked(m)] == [type(model).__name__]
+    for _ in range(2):
+        batch = packed_batch(model, sequences(), False)
+        sites, _ = _host_reads(lambda: model(**batch).last_hidden_state.sum().backward())
+        assert list(sites.values()) == [1] and "_cu_from_positions" in next(iter(sites)), sites
+    ids = torch.randint(3, 100, (2, 7))
+    sites, _ = _host_reads(lambda: model(input_ids=ids).last_hidden_state.sum().backward())
+    assert sum(sites.values()) == 0, sites
+
+
+def test_the_call_checks_cu_seq_lens_as_the_layers_did():
+    model = apply_tempo(bert()).train()
+    batch = packed_batch(model, sequences(), True)
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+        model(**{**batch, "cu_seq_lens_k": batch["cu_seq_lens_k"] + torch.tensor([0, 1, 0, 0, 0])})
+    with pytest.raises(ValueError, match="ends at 17 but the packed row has 18 tokens"):
+        model(**{**batch, "cu_seq_lens_q": torch.tensor([0, 5, 6, 15, 17]), "cu_seq_lens_k": None})
+
+
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_layers_recomputed_outside_the_call_read_their_own_packing(choice):
+    """Gradient checkpointing (reentrant) recomputes each layer in backward, after the model call
+    that carried the packing: the layer reads the position_ids it was given, so the gradients are
+    those of the plain run (and of each sequence alone)."""
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = apply_tempo(transformers.BertModel(transformers.BertConfig(**TINY)), **CHOICES[choice]).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        results.append(run(model, packed_batch(model, sequences(), False)))
+    (plain_out, plain), (ckpt_out, ckpt) = results
+    torch.testing.assert_close(ckpt_out, plain_out)
+    assert ckpt.keys() == plain.keys()
+    for key in plain:
+        torch.testing.assert_close(ckpt[key], plain[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_a_model_called_inside_another_with_its_own_positions_reads_its_own_packing():
+    """A base model called by its head with the head's position_ids inherits the head's packing;
+    a model called inside another call with other position_ids reads its own."""
+    torch.manual_seed(0)
+    outer = apply_tempo(bert()).eval()
+    inner = apply_tempo(bert()).eval()
+    packed = packed_batch(inner, sequences(), False)
+    with torch.no_grad():
+        alone = inner(**packed).last_hidden_state
+    seen = []
+    outer.encoder.layer[0].register_forward_hook(lambda *a: seen.append(inner(**packed).last_hidden_state))
+    with torch.no_grad():
+        outer(input_ids=torch.randint(3, 100, (2, 6)))
+    torch.testing.assert_close(seen[0], alone)
+    head = apply_tempo(transformers.BertForMaskedLM(transformers.BertConfig(**TINY))).eval()
+    with torch.no_grad():
+        via_head = head(**packed, output_hidden_states=True).hidden_states[-1]
+        direct = head.bert(**packed).last_hidden_state
+    torch.testing.assert_close(via_head, direct)
+
+
+def test_position_ids_passed_positionally_are_read_too():
+    """BertModel(input_ids, attention_mask, token_type_ids, position_ids): the call hook binds the
+    arguments to the model's signature, so positional position_ids pack the call as keywords do."""
+    torch.manual_seed(0)
+    model = apply_tempo(bert()).eval()
+    packed = packed_batch(model, sequences(), False)
+    with torch.no_grad():
+        by_keyword = model(**packed).last_hidden_state
+        by_position = model(packed["input_ids"], None, None, packed["position_ids"]).last_hidden_state
+        unpacked = model(packed["input_ids"]).last_hidden_state
+    torch.testing.assert_close(by_position, by_keyword)
+    assert float((unpacked - by_keyword).abs().max()) > 1e-3

@@ -265,10 +265,10 @@ def test_ops_taking_parameters_check_their_device():
     """Every op taking parameters names the layer/argument when they are not on the input's device
     (on CUDA a kernel would read another device's memory instead of raising). The meta device
     stands in for another GPU. LayerNorm and DropoutAddLayerNorm: their own test files."""
-    from tempo.ops.geglu import geglu_linear
+    from tempo.ops.gated_mlp import gated_linear_fused
 
     h = torch.randn(2, 8, requires_grad=True)
-    with pytest.raises(ValueError, match=r"^geglu_linear: argument 'weight' .* is on meta but the input 'h' is on cpu"):
-        geglu_linear(h, torch.ones(3, 4, device="meta"))
-    with pytest.raises(ValueError, match=r"^geglu_linear: argument 'bias' .* is on meta"):
-        geglu_linear(h, torch.ones(3, 4), torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match=r"^gated_linear: argument 'weight' .* is on meta but the input 'h' is on cpu"):
+        gated_linear_fused(h, torch.ones(3, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"^gated_linear: argument 'bias' .* is on meta"):
+        gated_linear_fused(h, torch.ones(3, 4), torch.ones(3, device="meta"))

@@ -601,13 +601,18 @@ def test_opcheck(backend, device, with_affine):
     bias = torch.randn(8, device=device, requires_grad=True) if with_affine else None
     if with_affine:
         with torch.no_grad():
-            weight[3] = 0.0  # one kept column: the data-dependent output is exercised too
+            weight[3] = 0.0  # one kept column: a K > 0 plan is exercised too
+        # The plan op: its output length depends on γ/β's values (a data-dependent shape).
+        torch.library.opcheck(torch.ops.tempo.layernorm_plan.default, (weight, bias, torch.float32, 8, backend, "ln"))
+    plan = plan_kept_columns(weight, bias, torch.float32, 8, device, "ln")
+    assert (3 in plan.tolist()) == with_affine
     torch.library.opcheck(torch.ops.tempo.layernorm_fwd.default,
-                          (x, 1, weight, bias, 1e-5, torch.float32, backend, "ln"))
+                          (x, 1, weight, bias, plan, 1e-5, torch.float32, backend, "ln"))
     x3 = torch.randn(2, 3, 4, device=device, requires_grad=True)  # normalized over the last 2 dims
     flat_w = (torch.rand(12, device=device) + 0.5).requires_grad_() if with_affine else None
+    no_plan = torch.empty((0,), dtype=torch.int64, device=device)
     torch.library.opcheck(torch.ops.tempo.layernorm_fwd.default,
-                          (x3, 2, flat_w, None, 1e-5, torch.float32, backend, "ln"))
+                          (x3, 2, flat_w, None, no_plan, 1e-5, torch.float32, backend, "ln"))
     # The backward op runs inside backward only (no double backward): no input requires grad.
     detached = [t.detach() if t is not None else None for t in (weight, bias)]
     y = torch.randn(3, 8, device=device)
@@ -701,13 +706,14 @@ def _triton_or_skip():
 
 
 def test_plan_is_made_once_per_parameter_version():
-    """Triton path: the first forward makes the plan (one read), later forwards, backwards and the
+    """Triton path: construction makes the plan (one read), forwards, backwards and the
     recomputation under activation checkpointing read nothing; an in-place update reads once."""
     _triton_or_skip()
+    assert _plan_reads(lambda: InplaceLayerNorm(16)) == 1
     module = InplaceLayerNorm(16)
     x = torch.randn(4, 16, requires_grad=True)
     with use_backend("triton"):
-        assert _plan_reads(lambda: module(x).sum().backward()) == 1
+        assert _plan_reads(lambda: module(x).sum().backward()) == 0
         assert _plan_reads(lambda: module(x).sum().backward()) == 0
         checkpointed = lambda: torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False).sum().backward()  # noqa: E731
         assert _plan_reads(checkpointed) == 0
@@ -730,24 +736,38 @@ def test_plan_is_made_per_output_dtype():
         assert cached_kept_columns(*args).tolist() == plan_kept_columns(*args).tolist() == want
 
 
+def test_plan_cache_tells_views_of_one_parameter_apart():
+    """γ of two layers as rows of one [2, 8] parameter (views sharing a base and its version
+    counter): the cache keys each on the base and the view's geometry, so each row gets its own
+    plan (row 1's γ_3 = 1e-30 < |β_3| = 0.5 is kept, row 0 keeps nothing)."""
+    from tempo.ops.layernorm import cached_kept_columns, forget_kept_column_plans
+
+    forget_kept_column_plans()
+    base = nn.Parameter(torch.ones(2, 8))
+    bias = torch.full((8,), 0.5)
+    with torch.no_grad():
+        base[1, 3] = 1e-30
+    rest = (bias, torch.float32, 8, torch.device("cpu"), "ln")
+    assert cached_kept_columns(base[0], *rest).tolist() == []
+    assert cached_kept_columns(base[1], *rest).tolist() == [3]
+    assert cached_kept_columns(base[0], *rest).tolist() == []
+
+
 def test_plans_of_every_layer_refresh_in_one_read():
-    """After an optimizer step every LayerNorm's plan is stale: the first forward refreshes all of
-    them in one transfer, whatever the number of layers."""
+    """An optimizer step makes every LayerNorm's plan stale: torch's optimizer post-step hook makes
+    the plans of all the layers it stepped again in one transfer, whatever the number of layers,
+    and the forwards and backwards read nothing."""
     _triton_or_skip()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), InplaceLayerNorm(8)) for _ in range(4)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randn(3, 8)
 
-    def step():
-        model(x).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-
     with use_backend("triton"):
-        assert _plan_reads(step) == 4  # the first forward: each layer's plan made as it is reached
-        assert _plan_reads(step) == 1
-        assert _plan_reads(step) == 1
+        for _ in range(3):
+            assert _plan_reads(lambda: model(x).square().sum().backward()) == 0
+            assert _plan_reads(opt.step) == 1
+            opt.zero_grad()
 
 
 def _unrecoverable_after(idiom, module):
@@ -809,7 +829,7 @@ def test_plan_follows_every_update_idiom_but_writes_through_data(idiom):
     ``.data`` outside an optimizer step (its own version counter): that one is documented, and
     forget_kept_column_plans() recovers from it. (AdamW(fused=True) and the hand-written optimizer
     leave the version counter as it was: torch's optimizer post-step hook is what sees them.)"""
-    from tempo.ops.layernorm import cached_kept_columns, forget_kept_column_plans
+    from tempo.ops.layernorm import cached_kept_columns, forget_kept_column_plans, refresh_kept_column_plans
 
     module = InplaceLayerNorm(8)
     with torch.no_grad():
@@ -826,6 +846,11 @@ def test_plan_follows_every_update_idiom_but_writes_through_data(idiom):
         assert cached() == []  # the documented hole: the plan of the old values
         forget_kept_column_plans()
     assert cached() == [3]
+    if idiom == "data_write":  # and back through .data: refresh_kept_column_plans re-reads the values too
+        module.weight.data[3] = 1.0
+        assert cached() == [3]
+        refresh_kept_column_plans(module)
+        assert cached() == [] and module.tempo_kept_columns[torch.float32].tolist() == []
 
 
 def test_a_non_finite_update_raises_in_the_updated_layer_only():
@@ -859,25 +884,46 @@ def test_parameters_on_another_device_raise_naming_the_layer(where):
 
 
 def test_compiled_forward_follows_parameter_updates():
-    """Under torch.compile the op's body runs eagerly with the cache: after an update that makes
-    a column unrecoverable, the compiled model's gradient is nn.LayerNorm's."""
+    """Under torch.compile the op gets the module's held plan as a graph input and checks it when it
+    runs: a write to γ behind the compiled model's back that changes the number of kept columns
+    raises a RuntimeError naming the layer and tempo.refresh_kept_column_plans (never a wrong plan);
+    after the refresh, and after a write that only moves the kept column (same K: the op takes the
+    current columns), the compiled gradient is nn.LayerNorm's."""
+    import tempo
+
     _triton_or_skip()
     torch._dynamo.reset()
     module = InplaceLayerNorm(8)
+    model = nn.Sequential(module)
+    name_layernorms(model)
     stock = nn.LayerNorm(8)
     x = torch.randn(3, 8)
     grad = torch.randn(3, 8)
-    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+
+    def same_gradient_as_stock():
+        stock.load_state_dict(module.state_dict())
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        compiled(xs[0]).backward(grad)
+        stock(xs[1]).backward(grad)
+        torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-4, atol=1e-5)
+
     try:
         with use_backend("triton"):
-            for gamma_3 in (1.0, 1e-30):
-                with torch.no_grad():
-                    module.weight[3] = gamma_3
-                    module.bias[3] = 0.5
-                    stock.load_state_dict(module.state_dict())
-                xs = [x.clone().requires_grad_() for _ in range(2)]
-                compiled(xs[0]).backward(grad)
-                stock(xs[1]).backward(grad)
-                torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-4, atol=1e-5)
+            with torch.no_grad():
+                module.bias.fill_(0.5)  # no column kept while every |γ| = 1 > 0.5
+            same_gradient_as_stock()
+            with torch.no_grad():
+                module.weight[3] = 1e-30  # column 3 becomes unrecoverable: K 0 -> 1
+            with pytest.raises(RuntimeError, match=r"^0: .* plan of 0 column\(s\) but γ/β now need 1 .*"
+                                                   r"tempo\.refresh_kept_column_plans\(model\)"):
+                compiled(x.clone().requires_grad_())
+            tempo.refresh_kept_column_plans(model)
+            assert module.tempo_kept_columns[torch.float32].tolist() == [3]
+            same_gradient_as_stock()
+            with torch.no_grad():
+                module.weight[3] = 1.0
+                module.weight[5] = 1e-30  # the kept column moves, K stays 1: no error, the current plan
+            same_gradient_as_stock()
     finally:
         torch._dynamo.reset()

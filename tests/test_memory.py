@@ -61,16 +61,148 @@ def test_ledger_table_for_a_small_config_and_cli(capsys):
     assert "Left out: the HF columns and the transformers families table (--no-hf)." in out
 
 
+# -- the transformers families (tempo.bench.ledger_table.FAMILIES) ----------------------------------
+# What apply_tempo swaps in one added layer of each family, at least: the coverage table's column
+# (results/coverage/coverage_bf16.md, docs/huggingface.md). Every family of FAMILIES must be here.
+EXPECTED_SWAPS = {
+    "bert-large": {"FusedResidualOutput": 2, "InplaceGelu": 1, "attention": 1},
+    "minilm": {"FusedResidualOutput": 2, "InplaceGelu": 1, "attention": 1},
+    "deberta-v3-large": {"FusedResidualOutput": 2, "InplaceGelu": 1, "DebertaEfficientAttention": 1},
+    "modernbert-large": {"InplaceLayerNorm": 2, "GatedMLP": 1, "attention": 1},
+    "mpnet-base": {"InplaceLayerNorm": 1, "FusedResidualOutput": 1, "InplaceGelu": 1, "MPNetEfficientSelfAttention": 1},
+    "eurobert-210m": {"InplaceRMSNorm": 2, "GatedMLP": 1, "attention": 1},
+    "embeddinggemma-300m": {"InplaceRMSNorm": 6, "GatedMLP": 1, "attention": 1},  # 4 + q_norm, k_norm
+    "nomicbert": {"InplaceLayerNorm": 2, "GatedMLP": 1, "attention": 1},
+    "gte-multilingual-base": {"InplaceLayerNorm": 2, "GatedMLP": 1, "attention": 1},
+    "jina-v3": {"InplaceLayerNorm": 2, "InplaceGelu": 1, "attention": 1},
+    "llama-3.2-1b": {"InplaceRMSNorm": 2, "GatedMLP": 1, "attention": 1},
+    "qwen3-0.6b": {"InplaceRMSNorm": 4, "GatedMLP": 1, "attention": 1},  # 2 + q_norm, k_norm
+}
+NEWEST_TRANSFORMERS = "5.24"  # the release the table was measured with: every family must build there
+
+
+def _skip_if_unavailable(family):
+    """One line, never silently: a family whose config class this transformers lacks (GTE in the GPU
+    image's 5.17) is skipped; on the newest release it must build."""
+    import transformers
+    from packaging.version import Version
+
+    from tempo.bench.ledger_table import family_unavailable
+
+    why = family_unavailable(family)
+    if why is not None:
+        assert Version(transformers.__version__) < Version(NEWEST_TRANSFORMERS), f"{family}: {why}"
+        pytest.skip(f"{family}: {why}")
+
+
+def _available_families():
+    from tempo.bench.ledger_table import FAMILIES, family_unavailable
+
+    return [f for f in FAMILIES if family_unavailable(f) is None]
+
+
+def tiny_fields(family):
+    """The family's fields at a small width (h = 64, 4 heads, I = 128), the same config class: real models
+    build in milliseconds; grouped kv heads stay grouped, sliding windows shorter than the test's s."""
+    from tempo.bench.ledger_table import FAMILIES
+
+    fields = dict(FAMILIES[family][2], hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    if "num_key_value_heads" in fields:
+        grouped = FAMILIES[family][2]["num_key_value_heads"] < FAMILIES[family][2]["num_attention_heads"]
+        fields["num_key_value_heads"] = (1 if family == "embeddinggemma-300m" else 2) if grouped else 4
+    if "head_dim" in fields:
+        fields.update(head_dim=16)
+    if "query_pre_attn_scalar" in fields:
+        fields.update(query_pre_attn_scalar=16, sliding_window=8)
+    if "local_attention" in fields:
+        fields.update(local_attention=8)
+    return fields
+
+
+def test_every_family_has_its_expected_swaps_and_a_depth():
+    from tempo.bench.ledger_table import FAMILIES, FAMILY_DEPTH
+
+    assert set(EXPECTED_SWAPS) == set(FAMILIES) == set(FAMILY_DEPTH)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("family", sorted(EXPECTED_SWAPS))
+def test_every_family_builds_and_gets_the_swaps_the_table_says(family, device, monkeypatch):
+    """Each family's config class at a tiny width, built on the meta device (as the ledger builds it) and
+    on the CPU with real weights (the recipes' numerical checks run on values), is patched by apply_tempo
+    with at least the swaps of the coverage table, per added layer."""
+    pytest.importorskip("transformers")
+    _skip_if_unavailable(family)
+    import transformers
+
+    from tempo.bench import ledger_table as table
+    from tempo.integrations.patch import apply_tempo
+
+    label, cls, _fields = table.FAMILIES[family]
+    monkeypatch.setitem(table.FAMILIES, family, (label, cls, tiny_fields(family)))
+    models = {}
+    for layers in (1, 2):
+        with torch.device(device):
+            models[layers] = apply_tempo(transformers.AutoModel.from_config(table.family_config(family, layers)))
+    swaps = table.swaps_per_added_layer(models[1], models[2])
+    for kind, count in EXPECTED_SWAPS[family].items():
+        assert swaps.get(kind, 0) >= count, (family, device, swaps)
+
+
 def test_family_table_shows_what_apply_tempo_saves():
     pytest.importorskip("transformers")  # the hf extra; CI installs it
-    from tempo.bench.ledger_table import family_table
+    from tempo.bench.ledger_table import FAMILIES, family_table
 
-    text = family_table(seq_lens=(16,))
+    available = _available_families()
+    text = family_table(seq_lens=(16,), families=available)
     rows = [line for line in text.splitlines() if line.startswith("| ") and "| 16 |" in line]
-    assert len(rows) == 4  # BERT-large, MiniLM, DeBERTa-v3-large, ModernBERT-large
+    assert [row.split(" | ")[0][2:] for row in rows] == [FAMILIES[f][0] for f in available]  # one per family
     for row in rows:
         before, after = (float(cell.strip().rstrip(" h")) for cell in row.split("|")[3:5])
         assert 0 < after < before, row
+
+
+def test_a_family_the_installed_transformers_lacks_or_a_too_long_s_is_refused_by_name(monkeypatch):
+    from tempo.bench import ledger_table as table
+
+    monkeypatch.setitem(table.FAMILIES, "future", ("Future-1B (h=64)", "NoSuchFutureConfig",
+                                                   dict(hidden_size=64, max_position_embeddings=512)))
+    assert "has no NoSuchFutureConfig" in table.family_unavailable("future")
+    with pytest.raises(ValueError, match=r"family 'future' \(Future-1B \(h=64\)\) cannot be built: transformers "
+                                         r".* has no NoSuchFutureConfig"):
+        table.family_rows(seq_lens=(16,), families=("future",))
+    with pytest.raises(ValueError, match="family 'minilm' takes sequences of at most 512 tokens .* got seq_len 513"):
+        table.family_rows(seq_lens=(513,), families=("minilm",))
+    with pytest.raises(ValueError, match="family 'mpnet-base' takes sequences of at most 512 tokens"):
+        table.family_batch_rows(1 << 30, 513, ("mpnet-base",))
+    assert table.longest_seq_len("mpnet-base") == 512  # 514 positions counted from padding_idx + 1
+
+
+def test_cli_leaves_out_unavailable_families_and_too_long_lengths_in_its_one_line(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from tempo.bench import ledger_table as table
+
+    monkeypatch.setitem(table.FAMILIES, "future", ("Future-1B (h=64)", "NoSuchFutureConfig",
+                                                   dict(hidden_size=64, max_position_embeddings=512)))
+    monkeypatch.setitem(table.FAMILY_DEPTH, "future", (2, 100))
+    monkeypatch.setitem(table.FAMILIES, "minilm", (table.FAMILIES["minilm"][0], "BertConfig",
+                                                   dict(tiny_fields("minilm"), max_position_embeddings=16)))
+    monkeypatch.setitem(table.FAMILIES, "nomicbert", (table.FAMILIES["nomicbert"][0], "NomicBertConfig",
+                                                      tiny_fields("nomicbert")))
+    monkeypatch.setitem(table.FAMILY_DEPTH, "nomicbert", (2, 100))
+    assert main(["--seq-lens", "16", "32", "--no-stack", "--families", "minilm", "nomicbert", "future",
+                 "--batch-seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    left_out = [line for line in out.splitlines() if line.startswith("Left out:")]
+    assert len(left_out) == 1
+    for said in ("Future-1B (h=64): transformers ", "has no NoSuchFutureConfig",
+                 "s = 32 for minilm (16): longer than their position tables",
+                 "the largest-batch table at s = 32 for minilm (16): longer than their position tables"):
+        assert said in left_out[0]
+    assert "| MiniLM-L6 (BERT, h=384) | 16 |" in out and "| MiniLM-L6 (BERT, h=384) | 32 |" not in out
+    assert "| NomicBERT, nomic-embed-text-v1.5 (h=768) | 32 |" in out
+    assert "| NomicBERT, nomic-embed-text-v1.5 (h=768) | 2 | 32 |" in out  # the largest-batch table
+    assert "Future" not in out.replace(left_out[0], "")
 
 
 # -- the fake-tensor count (what python -m tempo.memory prints) against the real-tensor ledger ----
@@ -120,18 +252,16 @@ def test_stack_table_fake_count_equals_the_real_ledger():
     assert fake == real
 
 
-@pytest.mark.parametrize("family", ["minilm", "deberta-v3-large", "modernbert-large"])
+@pytest.mark.parametrize("family", sorted(EXPECTED_SWAPS))
 def test_family_table_fake_count_equals_the_real_ledger(family, monkeypatch):
     # Each family's row (before and after apply_tempo(model)) at a small width, so that the real
-    # models build fast; ModernBERT with a window shorter than s, so its sliding-window layer masks.
+    # models build fast; sliding windows shorter than s, so those layers mask.
     pytest.importorskip("transformers")
+    _skip_if_unavailable(family)
     from tempo.bench import ledger_table as table
 
-    label, cls, fields = table.FAMILIES[family]
-    small = dict(fields, hidden_size=64, num_attention_heads=4, intermediate_size=128)
-    if family == "modernbert-large":
-        small["local_attention"] = 8
-    monkeypatch.setitem(table.FAMILIES, family, (label, cls, small))
+    label, cls, _fields = table.FAMILIES[family]
+    monkeypatch.setitem(table.FAMILIES, family, (label, cls, tiny_fields(family)))
     fake = table.family_rows(seq_lens=(16,), families=(family,), fake=True)
     real = table.family_rows(seq_lens=(16,), families=(family,), fake=False)
     assert fake == real
@@ -144,14 +274,16 @@ def test_unknown_family_or_length_is_named_with_the_valid_ones(capsys):
         main(["--families", "minilm", "bert-base"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown family 'bert-base'" in err and "bert-large, minilm, deberta-v3-large, modernbert-large" in err
-    for bad, said in (("1024", "sequence length 1024 is out of range"), ("0", "sequence length 0 is out of range"),
+    from tempo.bench.ledger_table import FAMILIES
+
+    assert "unknown family 'bert-base'" in err and f"valid: {', '.join(FAMILIES)}" in err
+    for bad, said in (("8193", "sequence length 8193 is out of range"), ("0", "sequence length 0 is out of range"),
                       ("long", "'long' is not a sequence length")):
         with pytest.raises(SystemExit) as exc:
             main(["--seq-lens", bad])
         assert exc.value.code == 2
         err = capsys.readouterr().err
-        assert said in err and "valid: an integer from 1 to 512" in err
+        assert said in err and "valid: an integer from 1 to 8192" in err
 
 
 def test_without_transformers_the_hf_tables_are_left_out_in_one_line(capsys, monkeypatch):
@@ -173,9 +305,10 @@ def test_cli_prints_every_table_with_readable_headers(capsys):
                    "Tempo (all layers) | HF eager | Tempo (all layers) saves |",
                    "| s | original | Tempo (paper's 3 layers) | Tempo (all layers) | HF eager | "
                    "HF + apply_tempo (paper's 3) | HF + apply_tempo (all layers) | Tempo (all layers) saves |",
-                   "| model | s | HF eager | HF + apply_tempo(model) | saved |"):
+                   "| model | s | HF eager | HF + apply_tempo(model) | saved | apply_tempo swaps, per added layer |"):
         assert header in out
-    assert "| MiniLM-L6 (BERT, h=384) | 16 |" in out and "Left out" not in out
+    assert "| MiniLM-L6 (BERT, h=384) | 16 | 47.0 h | 20.8 h | 56% | 2 FusedResidualOutput, InplaceGelu, " \
+           "attention (config switch) |" in out and "Left out" not in out
 
 
 def test_largest_batch_table_fake_count_equals_the_real_ledger(monkeypatch, capsys):

@@ -111,8 +111,11 @@ def test_apply_tempo_default_is_the_trainers_tempo():
     import argparse
 
     from tempo.choices import TempoChoice
-    from tempo.integrations.autotempo import apply_choice
     from tempo.train.flags import add_tempo_flags, tempo_choice_from_args
+
+    def apply_choice(choice, model):
+        return apply_tempo(model, gelu=choice.gelu, layernorm=choice.layernorm, attention=choice.attention,
+                           dropout_add_layernorm=choice.dropout_add_layernorm)
 
     parser = argparse.ArgumentParser()
     add_tempo_flags(parser)

@@ -59,7 +59,7 @@ def gpt2(**o):
 def modernbert(**o):
     o = {{"hidden_dropout_prob": "mlp_dropout", "attention_probs_dropout_prob": "attention_dropout"}.get(k, k): v
          for k, v in o.items()}
-    o.pop("mlp_dropout", None)  # ModernBERT's MLP dropout stays 0 (a GeGLU MLP with dropout is left alone)
+    o.pop("mlp_dropout", None)  # ModernBERT's MLP dropout stays 0, as in its checkpoints
     return transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(**{**dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48, vocab_size=100,
         global_attn_every_n_layers=2, local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -73,10 +73,26 @@ def deberta(**o):
         norm_rel_ebd="layer_norm", share_att_key=True), **o}))
 
 
+def _decoder(cls_name, config_name, **extra):
+    """The RMSNorm + SwiGLU/GeGLU families (tiny configs): no hidden dropout, an attention dropout."""
+    def build(**o):
+        o = {{"attention_probs_dropout_prob": "attention_dropout"}.get(k, k): v for k, v in o.items()
+             if k != "hidden_dropout_prob"}
+        return getattr(transformers, cls_name)(getattr(transformers, config_name)(**{**SMALL, **dict(
+            num_key_value_heads=1, max_position_embeddings=64, attn_implementation="eager"), **extra, **o}))
+    return build
+
+
+llama = _decoder("LlamaForCausalLM", "LlamaConfig")
+qwen3 = _decoder("Qwen3ForCausalLM", "Qwen3Config", head_dim=16)
+gemma3 = _decoder("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=16, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"])
+
 FAMILIES = {"bert": bert, "roberta": roberta, "electra": electra, "distilbert": distilbert, "gpt2": gpt2,
-            "modernbert": modernbert, "deberta": deberta}
+            "modernbert": modernbert, "deberta": deberta, "llama": llama, "qwen3": qwen3, "gemma3": gemma3}
 BASE = {"bert": "bert", "roberta": "roberta", "electra": "electra", "distilbert": "distilbert",
-        "gpt2": "transformer", "modernbert": "model", "deberta": "deberta"}
+        "gpt2": "transformer", "modernbert": "model", "deberta": "deberta", "llama": "model", "qwen3": "model",
+        "gemma3": "model"}
 CHOICES = {"default": {}, "paper": dict(attention="tempo", dropout_add_layernorm=False),
            "no-attention": dict(attention=False), "gelu-only": dict(layernorm=False, attention=False,
                                                                     dropout_add_layernorm=False)}
@@ -184,21 +200,23 @@ def test_dropout_off_before_patching_and_on_after_reaches_the_tempo_layers(famil
         assert block.LayerNorm.dropout is block.dropout
 
 
-def test_modernbert_mlp_dropout_switched_on_after_the_swap_is_the_stock_mlps():
+def test_modernbert_mlp_dropout_switched_on_after_the_swap_reaches_the_gated_mlp():
     """ModernBERT's MLP dropout (0 in its configs) switched on through its nn.Dropout after the
-    swap: the GeGLU MLP runs the stock computation, the same numbers as the stock model's at one
-    RNG state, gradients included."""
+    swap: the gated MLP drops out inside its op (a seeded mask, replayed by the same RNG state);
+    switched off again, the stock numbers, gradients included."""
     stock, patched = stock_and_patched("modernbert", attention_dropout=0.0)
     for model in (stock, patched):
         disable_by_hand(model)
-        for layer in model.model.layers:
-            layer.mlp.drop.p = 0.3
     loss_s, grads_s = loss_and_grads(stock)
+    for layer in patched.model.layers:
+        layer.mlp.drop.p = 0.3
+    loss_on = loss_and_grads(patched)[0]
+    assert not torch.equal(loss_on, loss_s)  # the switch reached the fused op
+    assert torch.equal(loss_and_grads(patched)[0], loss_on)  # the same RNG state, the same mask
+    disable_by_hand(patched)
     loss_t, grads_t = loss_and_grads(patched)
     torch.testing.assert_close(loss_t, loss_s, rtol=1e-5, atol=1e-6)
     assert total_relative_l2(grads_t, grads_s) < 1e-5
-    disable_by_hand(stock)
-    assert not torch.equal(loss_and_grads(stock)[0], loss_s)  # the switch really dropped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +286,7 @@ def test_reinitialised_by_its_own_init_weights_as_the_stock_model(family, how):
 def test_modernbert_mlp_is_initialised_as_modernbert_mlp():
     stock, patched = stock_and_patched("modernbert")
     mlp = patched.model.layers[0].mlp
-    assert type(mlp).__name__ == "GegluMLP" and isinstance(mlp, transformers.models.modernbert.modeling_modernbert.ModernBertMLP)
+    assert type(mlp).__name__ == "GatedMLP" and isinstance(mlp, transformers.models.modernbert.modeling_modernbert.ModernBertMLP)
     torch.manual_seed(0)
     patched.apply(patched._init_weights)
     std = patched.config.initializer_range / (2 * patched.config.num_hidden_layers) ** 0.5
@@ -440,7 +458,7 @@ def _guard_cases():
         model = modernbert()
         mlp = model.model.layers[0].mlp
         _override(mlp, lambda x: mlp.Wo(mlp.act(mlp.Wi(x).chunk(2, -1)[1]) * 2.0))
-        return model, mlp, "GeGLU MLP"
+        return model, mlp, "gated MLP"
 
     def deberta_core():
         model = deberta()

@@ -5,14 +5,19 @@
 1. one BERT-large encoder layer alone, per layer choice (and transformers' ``BertLayer``);
 2. per added layer in a stack (a model of 2 layers minus 1 layer), ours and transformers'
    ``BertModel`` before and after ``apply_tempo``: the figure that decides how large a batch fits;
-3. transformers' MiniLM, DeBERTa-v3-large and ModernBERT-large before and after ``apply_tempo(model)``
-   (needs the ``hf`` extra; without it the HF columns and this table are left out, said in one line).
+3. transformers' model of every family in ``FAMILIES`` (BERT, DeBERTa-v3, ModernBERT, MPNet, EuroBERT,
+   EmbeddingGemma, NomicBERT, GTE, Jina-v3, Llama, Qwen3) before and after ``apply_tempo(model)``, with
+   what it swaps per layer, and the largest batch of each whole model in a budget (needs the ``hf``
+   extra; without it the HF columns and these tables are left out, said in one line; a family whose
+   config class the installed transformers lacks, or an s longer than its position table, is left out
+   by name in that line too).
 
 The bytes a forward keeps depend on shapes, dtypes and the code path, not on values, so on the CPU
-they are counted on fake tensors (``tempo.memory.fake``): the whole command takes seconds and a few
-hundred MB. ``--real`` counts them on real tensors instead (minutes and gigabytes at BERT-large size,
-the same numbers; ``tests/test_memory.py`` holds every table's fake count to the real one), and so
-does ``--device cuda``, where CUDA's dropout keeps 1-byte masks. Models are built from their configs
+they are counted on fake tensors (``tempo.memory.fake``): the whole command takes about two minutes
+on 2 CPU cores (every family at its published size) and about a gigabyte. ``--real`` counts them on
+real tensors instead (minutes and gigabytes at BERT-large size, the same numbers;
+``tests/test_memory.py`` holds every table's fake count to the real one), and so does
+``--device cuda``, where CUDA's dropout keeps 1-byte masks. Models are built from their configs
 (random weights at each model's published size) and patched by the live ``apply_tempo``: no number
 here is stored.
 
@@ -47,7 +52,7 @@ COLUMNS = {
     "hf-tempo-floor": "HF + apply_tempo (all layers)",
 }
 SAVED_COLUMN = "Tempo (all layers) saves"
-FAMILY_COLUMNS = ("model", "s", "HF eager", "HF + apply_tempo(model)", "saved")
+FAMILY_COLUMNS = ("model", "s", "HF eager", "HF + apply_tempo(model)", "saved", "apply_tempo swaps, per added layer")
 
 # -- the table the README and the issue quote ----------------------------------------------
 LEDGER_VARIANTS = ("original", "tempo", "original+sdpa", "tempo+sdpa", "tempo-floor")
@@ -274,38 +279,138 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 # transformers families at their published sizes (random weights: the ledger counts storages, not
-# values): key -> (row label, config class, fields). ModernBERT's second layer is a sliding-window one
-# (global every 3).
+# values): key -> (row label, config class, fields). Geometry from each checkpoint's config.json on the
+# Hub (hidden, heads, kv heads, head_dim, intermediate, positions, dropout; RoPE bases and token ids do
+# not change the bytes kept, so they are the class defaults, or small ids where a default lies beyond
+# the 1000-token vocabulary of the per-layer count). The per-added-layer count's second layer is a
+# sliding-window one in ModernBERT (global every 3) and EmbeddingGemma (global every 6).
 FAMILIES = {
-    "bert-large": ("BERT-large (h=1024)", "BertConfig",
-                   dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096)),
-    "minilm": ("MiniLM-L6 (BERT, h=384)", "BertConfig",
-               dict(hidden_size=384, num_attention_heads=12, intermediate_size=1536)),
-    "deberta-v3-large": ("DeBERTa-v3-large (h=1024)", "DebertaV2Config", dict(
+    "bert-large": ("BERT-large (h=1024)", "BertConfig",  # google-bert/bert-large-uncased
+                   dict(hidden_size=1024, num_attention_heads=16, intermediate_size=4096, max_position_embeddings=512)),
+    "minilm": ("MiniLM-L6 (BERT, h=384)", "BertConfig",  # sentence-transformers/all-MiniLM-L6-v2
+               dict(hidden_size=384, num_attention_heads=12, intermediate_size=1536, max_position_embeddings=512)),
+    "deberta-v3-large": ("DeBERTa-v3-large (h=1024)", "DebertaV2Config", dict(  # microsoft/deberta-v3-large
         hidden_size=1024, num_attention_heads=16, intermediate_size=4096, relative_attention=True,
         pos_att_type=["p2c", "c2p"], position_buckets=256, max_relative_positions=-1, norm_rel_ebd="layer_norm",
         share_att_key=True, max_position_embeddings=512, position_biased_input=False)),
-    "modernbert-large": ("ModernBERT-large (h=1024, I=2624)", "ModernBertConfig", dict(
+    "modernbert-large": ("ModernBERT-large (h=1024, I=2624)", "ModernBertConfig", dict(  # answerdotai/ModernBERT-large
         hidden_size=1024, num_attention_heads=16, intermediate_size=2624, global_attn_every_n_layers=3,
-        local_attention=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)),
+        local_attention=128, max_position_embeddings=8192,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)),
+    # sentence-transformers' all-mpnet-base-v2: relative position bias shared by the batch (issue 33).
+    "mpnet-base": ("MPNet-base, all-mpnet-base-v2 (h=768)", "MPNetConfig",
+                   dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, max_position_embeddings=514)),
+    # EuroBERT/EuroBERT-210m: pre-norm RMSNorm, SwiGLU, RoPE, no dropout.
+    "eurobert-210m": ("EuroBERT-210m (h=768)", "EuroBertConfig", dict(
+        hidden_size=768, num_attention_heads=12, num_key_value_heads=12, intermediate_size=3072,
+        max_position_embeddings=8192, mlp_bias=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        mask_token_id=3)),
+    # google/embeddinggemma-300m: Gemma3TextModel with use_bidirectional_attention, (1 + w) RMSNorms
+    # (four per layer, and q/k norms), tanh GeGLU, 3 heads of 256 over 1 kv head, 5 sliding layers of 6.
+    "embeddinggemma-300m": ("EmbeddingGemma-300m (Gemma3, h=768)", "Gemma3TextConfig", dict(
+        hidden_size=768, num_attention_heads=3, num_key_value_heads=1, head_dim=256, intermediate_size=1152,
+        query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=2048,
+        use_bidirectional_attention=True)),
+    # nomic-ai/nomic-embed-text-v1.5 (n_embd, n_head, n_inner, n_positions): post-LN, SwiGLU, RoPE, no dropout.
+    "nomicbert": ("NomicBERT, nomic-embed-text-v1.5 (h=768)", "NomicBertConfig", dict(
+        hidden_size=768, num_attention_heads=12, intermediate_size=3072, max_position_embeddings=8192,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    # Alibaba-NLP/gte-multilingual-base: post-LN, gated GELU MLP, RoPE, hidden dropout 0.1.
+    "gte-multilingual-base": ("GTE-multilingual-base (h=768)", "GteConfig", dict(
+        hidden_size=768, num_attention_heads=12, intermediate_size=3072, max_position_embeddings=8192,
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0)),
+    # jinaai/jina-embeddings-v3: XLM-R-large with RoPE (its LoRA adapters are not part of the class).
+    "jina-v3": ("Jina-embeddings-v3 (XLM-R + RoPE, h=1024)", "JinaEmbeddingsV3Config", dict(
+        hidden_size=1024, num_attention_heads=16, intermediate_size=4096, max_position_embeddings=8194,
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)),
+    # meta-llama/Llama-3.2-1B: RMSNorm, SwiGLU, 32 heads of 64 over 8 kv heads.
+    "llama-3.2-1b": ("Llama-3.2-1B (h=2048)", "LlamaConfig", dict(
+        hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+        max_position_embeddings=131072)),
+    # Qwen/Qwen3-0.6B: RMSNorm with q/k norms, SwiGLU, 16 heads of 128 over 8 kv heads.
+    "qwen3-0.6b": ("Qwen3-0.6B (h=1024)", "Qwen3Config", dict(
+        hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+        max_position_embeddings=40960)),
 }
-MAX_SEQ_LEN = 512  # BERT-large's and DeBERTa-v3's position tables
+MAX_SEQ_LEN = 512  # BERT-large's position table: the lone-layer and stack tables' longest s
+# The command's longest s: the families' tables are counted on fake tensors, but masks made from real
+# position ranges are real s x s tensors (tempo.memory.fake), so s stays where those are megabytes.
+MAX_FAMILY_SEQ_LEN = 8192
+# Config classes whose positions count from padding_idx + 1 (RoBERTa's rule): 2 rows of the table unused.
+_POSITIONS_AFTER_PADDING = {"MPNetConfig", "RobertaConfig", "XLMRobertaConfig"}
 
 
-def _family_bytes_per_added_layer(family: str, seq_len: int, patched: bool, dtype: torch.dtype,
-                                  device: str, fake: Optional[bool] = None) -> float:
+def family_unavailable(family: str) -> Optional[str]:
+    """Why ``family`` cannot be built with the installed transformers (its config class is missing:
+    GTE's in transformers 5.17, the GPU image's), or None when it can."""
+    import transformers
+
+    cls_name = FAMILIES[family][1]
+    if getattr(transformers, cls_name, None) is None:
+        return f"transformers {transformers.__version__} has no {cls_name}"
+    return None
+
+
+def longest_seq_len(family: str) -> int:
+    """The longest s the family's published model takes: its max_position_embeddings (less the two
+    rows before padding_idx + 1 where positions start there)."""
+    _label, cls_name, fields = FAMILIES[family]
+    return fields["max_position_embeddings"] - (2 if cls_name in _POSITIONS_AFTER_PADDING else 0)
+
+
+def family_config(family: str, layers: int, vocab: int = 1000) -> Any:
+    """transformers' config of ``family`` at its published geometry with ``layers`` layers, eager
+    attention. ValueError naming the family when the installed transformers lacks its class."""
+    import transformers
+
+    why = family_unavailable(family)
+    if why is not None:
+        raise ValueError(f"family {family!r} ({FAMILIES[family][0]}) cannot be built: {why}")
+    _label, cls_name, fields = FAMILIES[family]
+    return getattr(transformers, cls_name)(vocab_size=vocab, num_hidden_layers=layers, attn_implementation="eager",
+                                           **fields)
+
+
+def _check_family_seq_len(family: str, seq_len: int) -> None:
+    if seq_len > longest_seq_len(family):
+        raise ValueError(f"family {family!r} takes sequences of at most {longest_seq_len(family)} tokens "
+                         f"(its max_position_embeddings), got seq_len {seq_len}")
+
+
+def swaps_per_added_layer(one_layer: torch.nn.Module, two_layers: torch.nn.Module) -> dict[str, int]:
+    """What apply_tempo swapped in one more layer (``tempo_patched`` of 2 layers minus 1 layer), and
+    "attention": 1 when the attention runs Tempo's (switched in the config, or a module replaced)."""
+    from tempo.integrations.patch import tempo_patched
+
+    one, two = tempo_patched(one_layer), tempo_patched(two_layers)
+    swaps = {kind: two[kind] - one.get(kind, 0) for kind in two if kind != "attention" and two[kind] > one.get(kind, 0)}
+    swaps["attention"] = two["attention"]
+    return swaps
+
+
+def format_swaps(swaps: dict[str, int]) -> str:
+    """'2 InplaceRMSNorm, GatedMLP, Tempo attention': the kinds of one added layer, most first."""
+    parts = [f"{n} {kind}" if n > 1 else kind for kind, n in sorted(swaps.items(), key=lambda kv: (-kv[1], kv[0]))
+             if kind != "attention"]
+    if swaps.get("attention"):
+        parts.append("attention (config switch)")
+    return ", ".join(parts) or "nothing"
+
+
+def _family_added_layer(family: str, seq_len: int, patched: bool, dtype: torch.dtype, device: str,
+                        fake: Optional[bool] = None) -> tuple[float, Optional[dict[str, int]]]:
     """As bytes_per_added_layer, for transformers' model of ``family`` (eager attention), before or
-    after apply_tempo(model) (the default: every layer kind the family has)."""
+    after apply_tempo(model) (the default: every layer kind the family has); with what apply_tempo
+    swapped per added layer (None before)."""
     import transformers
 
     from tempo.integrations.patch import apply_tempo
 
-    _label, cls_name, fields = FAMILIES[family]
+    _check_family_seq_len(family, seq_len)
     build = _Builder(_use_fake(fake, device), device)
     models = {}
     for layers in (1, 2):
-        config = getattr(transformers, cls_name)(vocab_size=1000, num_hidden_layers=layers,
-                                                 attn_implementation="eager", **fields)
+        config = family_config(family, layers)
         models[layers] = build.module(lambda: transformers.AutoModel.from_config(config),
                                       apply_tempo if patched else None)
 
@@ -314,20 +419,24 @@ def _family_bytes_per_added_layer(family: str, seq_len: int, patched: bool, dtyp
         ids = torch.randint(3, 1000, (batch, seq_len), device=device)
         return build.ledger(model, lambda: model(input_ids=ids), dtype).activation_bytes
 
-    return _added_layer(kept, seq_len)
+    return _added_layer(kept, seq_len), swaps_per_added_layer(models[1], models[2]) if patched else None
 
 
 def family_rows(seq_lens=(128, 512), families: Iterable[str] = tuple(FAMILIES), dtype: torch.dtype = torch.bfloat16,
                 device: str = "cpu", fake: Optional[bool] = None, tick: Tick = None) -> list[dict[str, Any]]:
-    """Per added layer, units of the family's h: transformers' model before and after apply_tempo."""
+    """Per added layer, units of the family's h: transformers' model before and after apply_tempo,
+    and what apply_tempo swapped in it ("swaps"). Every family must be buildable here and take every
+    s (``family_unavailable``, ``longest_seq_len``): ValueError otherwise."""
     rows = []
     for family in families:
         h = FAMILIES[family][2]["hidden_size"]
         for s in seq_lens:
-            row = {"family": family, "seq_len": s}
+            row: dict[str, Any] = {"family": family, "seq_len": s}
             for patched in (False, True):
-                row["after" if patched else "before"] = _family_bytes_per_added_layer(
-                    family, s, patched, dtype, device, fake) / h
+                per_token, swaps = _family_added_layer(family, s, patched, dtype, device, fake)
+                row["after" if patched else "before"] = per_token / h
+                if patched:
+                    row["swaps"] = swaps
                 if tick:
                     tick()
             rows.append(row)
@@ -338,7 +447,7 @@ def format_family_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(FAMILY_COLUMNS) + " |", "|" + "---|" * len(FAMILY_COLUMNS)]
     for r in rows:
         lines.append(f"| {FAMILIES[r['family']][0]} | {r['seq_len']} | {r['before']:.1f} h | {r['after']:.1f} h | "
-                     f"{1 - r['after'] / r['before']:.0%} |")
+                     f"{1 - r['after'] / r['before']:.0%} | {format_swaps(r['swaps'])} |")
     return "\n".join(lines)
 
 
@@ -349,7 +458,10 @@ def family_table(seq_lens=(128, 512), dtype: torch.dtype = torch.bfloat16, devic
 
 # -- the largest batch a budget holds, whole encoders at their published depth -------------------
 # (published layers, vocabulary) of each family: the whole encoder (transformers' AutoModel) is counted.
-FAMILY_DEPTH = {"bert-large": (24, 30522), "minilm": (6, 30522), "deberta-v3-large": (24, 128100), "modernbert-large": (28, 50368)}
+FAMILY_DEPTH = {"bert-large": (24, 30522), "minilm": (6, 30522), "deberta-v3-large": (24, 128100),
+                "modernbert-large": (28, 50368), "mpnet-base": (12, 30527), "eurobert-210m": (12, 128256),
+                "embeddinggemma-300m": (24, 262144), "nomicbert": (12, 30528), "gte-multilingual-base": (12, 250048),
+                "jina-v3": (24, 250002), "llama-3.2-1b": (16, 128256), "qwen3-0.6b": (28, 151936)}
 DEFAULT_BUDGET = "24GiB"  # a 24 GB GPU (RTX 3090/4090, L4, A10)
 BATCH_COLUMNS = ("model", "layers", "s", "HF eager: kept per sequence", "largest batch",
                  "HF + apply_tempo(model): kept per sequence", "largest batch", "Tempo / stock")
@@ -369,13 +481,12 @@ def family_batch_rows(budget: int, seq_len: int = 512, families: Iterable[str] =
 
     rows = []
     for family in families:
-        _label, cls_name, fields = FAMILIES[family]
         layers, vocab = FAMILY_DEPTH[family]
+        _check_family_seq_len(family, seq_len)
         row = {"family": family, "layers": layers, "seq_len": seq_len}
         for patched in (False, True):
             build = _Builder(_use_fake(fake, device), device)
-            config = getattr(transformers, cls_name)(vocab_size=vocab, num_hidden_layers=layers,
-                                                     attn_implementation="eager", **fields)
+            config = family_config(family, layers, vocab)
             model = build.module(lambda: transformers.AutoModel.from_config(config), apply_tempo if patched else None)
             parameters = sum(p.numel() for p in model.parameters())
             kept = {}
@@ -406,12 +517,13 @@ def format_batch_table(rows: list[dict[str, Any]]) -> str:
 
 # -- the command ----------------------------------------------------------------------------
 def _seq_len(text: str) -> int:
-    valid = f"valid: an integer from 1 to {MAX_SEQ_LEN} (BERT-large's and DeBERTa-v3's position tables)"
+    valid = (f"valid: an integer from 1 to {MAX_FAMILY_SEQ_LEN} (the BERT-large tables take up to {MAX_SEQ_LEN}, "
+             f"each family up to its position table)")
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a sequence length; {valid}") from None
-    if not 1 <= value <= MAX_SEQ_LEN:
+    if not 1 <= value <= MAX_FAMILY_SEQ_LEN:
         raise argparse.ArgumentTypeError(f"sequence length {value} is out of range; {valid}")
     return value
 
@@ -440,12 +552,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tempo.memory",
         description="Bytes autograd keeps for backward per token per encoder layer (units of h): one BERT-large "
-                    "layer alone, per added layer in a stack, and transformers' BERT-large / MiniLM / DeBERTa-v3-large / "
-                    "ModernBERT-large before and after apply_tempo(model). Counted on fake tensors on the CPU "
-                    "(exact, seconds); --real counts on real tensors (minutes, gigabytes; the same numbers).",
+                    "layer alone, per added layer in a stack, and transformers' models of every family in --families "
+                    "before and after apply_tempo(model). Counted on fake tensors on the CPU (exact, about 2 minutes "
+                    "for every family on 2 CPU cores); --real counts on real tensors (minutes, gigabytes; the same numbers).",
     )
     parser.add_argument("--seq-lens", type=_seq_len, nargs="+", default=[128, 512], metavar="S",
-                        help=f"sequence lengths, 1 to {MAX_SEQ_LEN} (default 128 512)")
+                        help=f"sequence lengths, 1 to {MAX_FAMILY_SEQ_LEN} (default 128 512); the BERT-large tables "
+                             f"take those up to {MAX_SEQ_LEN}, each family those up to its position table")
+    parser.add_argument("--batch-seq-len", type=_seq_len, default=MAX_SEQ_LEN, metavar="S",
+                        help=f"the sequence length of the largest-batch table (default {MAX_SEQ_LEN})")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), metavar="NAME",
                         help=f"transformers families for the last table: {', '.join(FAMILIES)} (default all)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
@@ -477,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--dtype fp16 autocast needs --device cuda")
     fake = not args.real and args.device == "cpu"
     seq_lens = tuple(args.seq_lens)
+    bert_lens = tuple(s for s in seq_lens if s <= MAX_SEQ_LEN)
+    batch_len = args.batch_seq_len
 
     left_out = []
     hf = not args.no_hf and _transformers_available()
@@ -485,26 +602,47 @@ def main(argv: list[str] | None = None) -> int:
                         "(pip install -e \".[hf]\")")
     elif args.no_hf:
         left_out.append("the HF columns and the transformers families table (--no-hf)")
+    if len(bert_lens) < len(seq_lens):
+        longer = ", ".join(str(s) for s in seq_lens if s > MAX_SEQ_LEN)
+        left_out.append(f"s = {longer} in the BERT-large tables (its position table holds {MAX_SEQ_LEN})")
     stack_variants = tuple(v for v in STACK_VARIANTS if hf or not v.startswith("hf-"))
     layer_variants = LEDGER_VARIANTS + (("hf-eager",) if hf else ())
     show_families = hf and not args.no_families
     if hf and args.no_families:
         left_out.append("the transformers families table (--no-families)")
     if args.no_stack:
-        left_out.append("the per-added-layer table (--no-stack)")
-    jobs = len(seq_lens) * (len(layer_variants) + (0 if args.no_stack else len(stack_variants))
-                            + (2 * len(families) if show_families else 0)) + (2 * len(families) if show_families else 0)
-    batch_len = max(seq_lens)
+        left_out.append("the per-added-layer (stack) table (--no-stack)")
+    family_lens: dict[str, tuple[int, ...]] = {}
+    batch_families: list[str] = []
+    if show_families:
+        for family in families:
+            why = family_unavailable(family)
+            if why is not None:  # a family newer than this transformers: said, never dropped silently
+                left_out.append(f"{FAMILIES[family][0]}: {why}")
+                continue
+            family_lens[family] = tuple(s for s in seq_lens if s <= longest_seq_len(family))
+            if batch_len <= longest_seq_len(family):
+                batch_families.append(family)
+        for s in seq_lens:  # one clause per s: the families whose position tables are shorter
+            short = [f"{f} ({longest_seq_len(f)})" for f in family_lens if s > longest_seq_len(f)]
+            if short:
+                left_out.append(f"s = {s} for {', '.join(short)}: longer than their position tables")
+        short = [f"{f} ({longest_seq_len(f)})" for f in family_lens if f not in batch_families]
+        if short:
+            left_out.append(f"the largest-batch table at s = {batch_len} for {', '.join(short)}: longer than their "
+                            f"position tables")
+    jobs = (len(bert_lens) * (len(layer_variants) + (0 if args.no_stack else len(stack_variants)))
+            + 2 * sum(len(lens) for lens in family_lens.values()) + 2 * len(batch_families))
 
     with _progress(jobs) as bar:
-        rows = ledger_table(seq_lens, variants=layer_variants, dtype=dtype, device=args.device, fake=fake,
-                            tick=bar.update)
-        stack = None if args.no_stack else stack_table(seq_lens, variants=stack_variants, dtype=dtype,
-                                                       device=args.device, fake=fake, tick=bar.update)
-        fams = family_rows(seq_lens, families, dtype=dtype, device=args.device, fake=fake,
-                           tick=bar.update) if show_families else None
-        batches = family_batch_rows(budget, batch_len, families, dtype=dtype, device=args.device, fake=fake,
-                                    tick=bar.update) if show_families else None
+        rows = ledger_table(bert_lens, variants=layer_variants, dtype=dtype, device=args.device, fake=fake,
+                            tick=bar.update) if bert_lens else None
+        stack = None if args.no_stack or not bert_lens else stack_table(
+            bert_lens, variants=stack_variants, dtype=dtype, device=args.device, fake=fake, tick=bar.update)
+        fams = [row for family, lens in family_lens.items()
+                for row in family_rows(lens, (family,), dtype=dtype, device=args.device, fake=fake, tick=bar.update)]
+        batches = family_batch_rows(budget, batch_len, batch_families, dtype=dtype, device=args.device, fake=fake,
+                                    tick=bar.update) if batch_families else []
 
     how = "counted on fake tensors (exact: bytes depend on shapes, not values)" if fake else \
         f"counted on real tensors on {args.device}"
@@ -512,19 +650,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Bytes autograd keeps for backward per token, {precision}, dropout 0.1, in units of h "
           f"(the hidden size);\n{how}. Marginal: batch 2 minus batch 1, so autocast's fixed weight copies "
           "are left out.\n")
-    print("One BERT-large encoder layer alone (h = 1024, 16 heads):")
-    print(format_table(rows))
+    if rows is not None:
+        print("One BERT-large encoder layer alone (h = 1024, 16 heads):")
+        print(format_table(rows))
     if stack is not None:
         print("\nPer added layer in a stack (BertModel of 2 layers minus 1 layer: the layer's input is counted "
               "once,\nwhere the layer below's output is kept), BERT-large, units of h. This decides the batch that "
               "fits:")
         print(format_table(stack))
-    if fams is not None:
-        print("\ntransformers' encoders (eager attention, random weights at the published size), per added layer, "
+    if fams:
+        print("\ntransformers' models (eager attention, random weights at the published size), per added layer, "
               "units of each\nmodel's h, before and after apply_tempo(model); dropout as each family ships "
-              "(BERT/DeBERTa 0.1, ModernBERT 0):")
+              "(BERT/DeBERTa/GTE/Jina 0.1, the others 0):")
         print(format_family_table(fams))
-    if batches is not None:
+    if batches:
         from tempo.utils import format_bytes
 
         print(f"\nThe largest batch at s = {batch_len} in {format_bytes(budget)}: each whole encoder at its published depth "

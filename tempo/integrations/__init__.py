@@ -1,1 +1,1 @@
-"""Tempo for models users already have: apply_tempo/revert_tempo, the HF attention registration, AutoTempo."""
+"""Tempo for models users already have: apply_tempo/revert_tempo, the HF attention registration."""

@@ -14,26 +14,32 @@ the copy while patched are dropped with it). A model patched in parts (its base 
 the head model) gets one copy: the head's modules are given the copy the base's patch made, so
 ``head.config is head.bert.config`` holds as it did before. A config Tempo copied is never copied
 again.
+
+The switch also puts the attention's call hooks on every transformers model of the tree whose
+attention is now Tempo's (``hf_attention.install_call_hooks``: each model call hands its packing
+to the layers, read once outside any torch.compile graph); ``undo`` takes out the ones it put
+there, found by identity.
+
+Everything the switch keeps is objects inside the model it switched (its modules, their original
+configs and the copies), paired by identity, never an ``id()`` or a registry outside the model: a
+deep copy of a patched model (one memo) or a pickled one has a switch of its own, over its own
+objects, and reverting it never touches the model it was copied from.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import weakref
 from typing import Any, Optional
 
 from torch import nn
 
 logger = logging.getLogger("tempo.integrations.patch")
 
-# Configs Tempo made (id -> weak reference): a model patched in parts reuses them instead of copying again.
-_COPIES: dict[int, "weakref.ref[Any]"] = {}
 
-
-def is_tempo_copy(config: Any) -> bool:
-    ref = _COPIES.get(id(config))
-    return ref is not None and ref() is config
+def _copy_of(config: Any, pairs: list[tuple[Any, Any]]) -> Optional[Any]:
+    """The copy paired with ``config`` (by identity) in (original, copy) pairs, or None."""
+    return next((new for original, new in pairs if original is config), None)
 
 
 def config_holders(model: nn.Module) -> list[tuple[nn.Module, Any]]:
@@ -72,16 +78,17 @@ def _set_attn_implementation(model: nn.Module, configs: list[Any], implementatio
 
 class AttentionSwitch:
     """Switch ``model``'s attention to ``implementation`` on copies of its configs (see the module
-    docstring); ``inherited`` maps id(original config) -> the copy a nested patch already made."""
+    docstring); ``inherited``: (original config, copy) pairs that nested patches already made."""
 
-    def __init__(self, model: nn.Module, implementation: str, inherited: Optional[dict[int, Any]] = None):
+    def __init__(self, model: nn.Module, implementation: str, inherited: Optional[list[tuple[Any, Any]]] = None):
         self.model = model
         self.implementation = implementation
-        self.inherited = dict(inherited or {})
+        self.inherited = list(inherited or [])
         self.holders: list[tuple[nn.Module, Any]] = []  # (module, its original config) for revert
-        self.copies: dict[int, Any] = {}  # id(original) -> copy, this switch's and inherited ones
+        self.copies: list[tuple[Any, Any]] = []  # (original, copy): this switch's and inherited ones
         self.previous: list[tuple[Any, str]] = []  # (copy, implementation it had) for the log
         self.config_classes: list[tuple[Any, type]] = []
+        self.hooked: list[nn.Module] = []  # models of the tree this switch gave the attention's call hooks
         self.switched = False
 
     def apply(self) -> bool:
@@ -95,14 +102,15 @@ class AttentionSwitch:
         register_tempo_attention()
         memo: dict[int, Any] = {}
         try:
+            made_before = [new for _, new in self.inherited]
             for module, config in holders:
-                if is_tempo_copy(config):
-                    continue
-                new = self.inherited.get(id(config)) or self.copies.get(id(config))
+                if any(config is new for new in made_before):
+                    continue  # a sub-model's patch gave it Tempo's copy already
+                new = _copy_of(config, self.inherited) or _copy_of(config, self.copies)
                 if new is None:
                     new = copy.deepcopy(config, memo)
-                    _COPIES[id(new)] = weakref.ref(new)
-                self.copies[id(config)] = new
+                if _copy_of(config, self.copies) is None:
+                    self.copies.append((config, new))
                 module.__dict__["config"] = new
                 self.holders.append((module, config))
             configs = configs_of(self.model)
@@ -119,6 +127,7 @@ class AttentionSwitch:
                 original = accept_output_attentions(config)
                 if original is not None:
                     self.config_classes.append((config, original))
+            self.hook_calls()
         except BaseException:
             self.undo()
             raise
@@ -128,10 +137,21 @@ class AttentionSwitch:
                         "" if len(configs) == 1 else "s")
         return bool(self.holders) or self.switched
 
-    def undo(self) -> None:
-        """Give every module its original config back (the copies go with their changes)."""
-        from tempo.integrations.hf_attention import restore_config_class
+    def hook_calls(self) -> None:
+        """The attention's call hooks (each model call hands its packing to the layers, read once
+        outside any torch.compile graph: hf_attention) on every transformers model of the tree that
+        lacks them; idempotent."""
+        from tempo.integrations.hf_attention import install_call_hooks
 
+        self.hooked.extend(install_call_hooks(self.model))
+
+    def undo(self) -> None:
+        """Give every module its original config back (the copies go with their changes) and take
+        out the call hooks this switch installed (found by identity: a user's hooks stay)."""
+        from tempo.integrations.hf_attention import remove_call_hooks, restore_config_class
+
+        remove_call_hooks(self.hooked)
+        self.hooked.clear()
         for config, original in self.config_classes:
             restore_config_class(config, original)
         for module, config in reversed(self.holders):
@@ -140,4 +160,4 @@ class AttentionSwitch:
         self.config_classes.clear()
 
 
-__all__ = ["AttentionSwitch", "asks_for_attention_weights", "config_holders", "configs_of", "is_tempo_copy"]
+__all__ = ["AttentionSwitch", "asks_for_attention_weights", "config_holders", "configs_of"]

@@ -1,10 +1,11 @@
 """Recipe for the BERT family's residual blocks: ``LayerNorm(dropout(dense(hidden)) + input)``.
 
 transformers' ``BertSelfOutput`` / ``BertOutput`` and their copies in RoBERTa, XLM-R, CamemBERT,
-ELECTRA and DeBERTa-v2/v3 become one ``FusedResidualOutput`` each: the same ``dense`` module, the
+ELECTRA and DeBERTa-v2/v3 (and any module built the same way: MPNet's ``MPNetOutput``, recognised
+by structure) become one ``FusedResidualOutput`` each: the same ``dense`` module, the
 LayerNorm's Parameters under the same state_dict keys in a ``DropoutAddLayerNorm`` (keeps no dropout
 mask and no pre-LayerNorm sum), and the block's own ``nn.Dropout``, whose rate and train flag the
-fused op reads at every forward. Recognised by class name and structure, checked numerically.
+fused op reads at every forward. Recognised by class name or structure, checked numerically.
 """
 
 from __future__ import annotations
@@ -52,11 +53,28 @@ class FusedResidualOutput(nn.Module):
         move_parameters(self.LayerNorm, original.LayerNorm)
 
 
-def _recognise(module: nn.Module) -> bool:
-    if type(module).__name__ not in RESIDUAL_BLOCKS:
+def _two_inputs(module: nn.Module) -> bool:
+    """forward(hidden_states, input_tensor): the BERT residual block's call (what MPNetOutput and
+    other copies of BertOutput take too)."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
         return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 2 and not any(p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
+def _recognise(module: nn.Module) -> bool:
+    """A BertOutput-style block: by name for the families listed, else by structure (a ``dense``
+    Linear, an ``nn.LayerNorm`` called ``LayerNorm``, an ``nn.Dropout`` called ``dropout``, called
+    with (hidden_states, input_tensor)) — the numerical check confirms it computes LN(dense(h) + r)."""
     dense, ln, dropout = (getattr(module, n, None) for n in ("dense", "LayerNorm", "dropout"))
-    return isinstance(dense, nn.Linear) and type(ln) is nn.LayerNorm and isinstance(dropout, nn.Dropout)
+    if not (isinstance(dense, nn.Linear) and type(ln) is nn.LayerNorm and isinstance(dropout, nn.Dropout)):
+        return False
+    return type(module).__name__ in RESIDUAL_BLOCKS or (set(module._modules) == {"dense", "LayerNorm", "dropout"}
+                                                        and _two_inputs(module))
 
 
 def _build(old: nn.Module, options: Options) -> nn.Module:

@@ -32,15 +32,17 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from tempo.integrations.recipe import Options, Recipe, has_meta_weights, same_output, sample
+from tempo.integrations.recipe import Built, Options, Recipe, Skip, has_meta_weights, same_output, sample
 from tempo.ops.combined import combined_softmax_dropout_matmul
+from tempo.ops.disentangled_attention import (disentangled_attention, disentangled_attention_varlen,
+                                              relative_position_index)
 
 logger = logging.getLogger("tempo.integrations.deberta")
 
 _CLASS = "DisentangledSelfAttention"
 _MODULE = "transformers.models.deberta_v2."
 _PROJECTIONS = ("query_proj", "key_proj", "value_proj")
-_logged_weights = False
+_logged_reasons: set[str] = set()  # why a call ran the original forward: each logged once
 
 
 def is_deberta_v2_attention(module: nn.Module) -> bool:
@@ -80,9 +82,8 @@ class _DebertaAttentionCore(nn.Module):
         self._original_class = type(original)
 
     def _original_forward(self, *args: Any, why: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        global _logged_weights
-        if not _logged_weights:
-            _logged_weights = True
+        if why not in _logged_reasons:
+            _logged_reasons.add(why)
             logger.info("DeBERTa attention: %s runs the model's own attention (it keeps the s x s probabilities "
                         "for backward; logged once)", why)
         return self._original_class.forward(self, *args)
@@ -139,13 +140,19 @@ class DebertaEfficientAttention(_DebertaAttentionCore):
     through the module's own ``pos_dropout`` as in the original.
 
     Inputs it takes as the original does: the encoder's [B, 1, S, S] mask of pairs m_i·m_j (from a
-    [B, S] mask; read back as its diagonal, checked once per mask tensor), relative positions as
-    the encoder builds them (checked once per tensor against the op's table). A call it cannot run
-    exactly — attention probabilities asked for, a 3-D pair mask that is not m_i·m_j, other
-    relative positions, query states of another length — runs the original forward (logged once).
-    Padding-free batches (``DataCollatorWithFlattening``: position_ids restarting, or
+    [B, S] mask; read back as its diagonal) and relative positions as the encoder builds them.
+    Eager: both are checked (one host read each per tensor and model call, shared by the layers
+    through the call's memo; a layer called on its own checks at every call). Under torch.compile
+    nothing can be read on the host inside the graph, so the layer trusts what the model-level hook
+    saw at the call (``install_call_hooks``): a call of a DeBERTa model with a [B, S] mask (or none)
+    runs transformers' encoder, which builds exactly these (``DebertaV2Encoder.get_attention_mask``
+    and ``get_rel_pos``); any other call runs the original forward there.
+    A call it cannot run exactly — attention probabilities asked for, a 3-D pair mask that is not
+    m_i·m_j, other relative positions, query states of another length, a sequence longer than a
+    degenerate log-bucket table covers (``_positions``) — runs the original forward (logged once per
+    reason). Padding-free batches (``DataCollatorWithFlattening``: position_ids restarting, or
     ``cu_seq_lens_q``) attend within each sequence through the op's variable-length form: the
-    model-level hook ``install_packing_hooks`` hands the packing to every layer.
+    model-level hook hands the packing to every layer.
     """
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, output_attentions: bool = False,
@@ -158,15 +165,35 @@ class DebertaEfficientAttention(_DebertaAttentionCore):
         q_in = hidden_states if query_states is None else query_states
         if q_in.shape[:2] != (b, s):
             return self._original_forward(*args, why="query states of another length")
-        padding = _padding_of(attention_mask, b, s)
-        if padding is False:
-            return self._original_forward(*args, why="an attention mask that is not a [B, S] padding mask")
-        if self.relative_attention and relative_pos is not None and not _standard_positions(self, relative_pos, s):
-            return self._original_forward(*args, why="relative positions other than the encoder's")
-        packing = current_packing()
-        if packing is not None and padding is not None:
-            raise ValueError("DeBERTa (Tempo): a padding-free batch (packed sequences) with padding in its "
-                             "attention_mask; pass one or the other")
+        call = current_call()
+        packing = call.packing if call is not None else None
+        positions = _positions(self, s if packing is None else packing[1].shape[0])  # a packed row: per sequence
+        if positions is None:
+            why = (f"a sequence longer than position_buckets // 2 + 1 = {self.position_buckets // 2 + 1} tokens in a "
+                   f"config whose log buckets degenerate (max_relative_positions - 1 = "
+                   f"{self.max_relative_positions - 1} <= position_buckets // 2: transformers' "
+                   f"make_log_bucket_position takes the log of a ratio <= 1 there)")
+            if packing is not None:  # the original forward would attend across the packed sequences
+                raise ValueError(f"DeBERTa (Tempo): a padding-free batch with {why}; pad the batch instead")
+            return self._original_forward(*args, why=why)
+        if torch.compiler.is_compiling():
+            if call is None or not call.encoder_inputs or not _encoder_shapes(attention_mask, relative_pos, b, s):
+                return self._original_forward(*args, why=(
+                    "under torch.compile, a call whose mask and relative positions are not known to be the "
+                    "encoder's (the layer called outside a DeBERTa model's forward with a [B, S] mask; no host "
+                    "read can check them inside the graph)"))
+            # The encoder built the pair mask as m_i·m_j: its diagonal is the padding (always passed: no host
+            # read decides whether anything is padded). A packed call's mask is all ones (its hook checked).
+            padding = None if packing is not None else _diagonal(attention_mask, b, s)
+        else:
+            memo = call.memo if call is not None else None
+            padding = None if packing is not None else _padding_of(attention_mask, b, s, memo)
+            if padding is False:
+                return self._original_forward(*args, why="an attention mask that is not a [B, S] padding mask")
+            # (A packed row's positions are the op's own, per sequence: the row-wide ones are not used.)
+            if (self.relative_attention and relative_pos is not None and packing is None
+                    and not _standard_positions(relative_pos, s, positions, memo)):
+                return self._original_forward(*args, why="relative positions other than the encoder's")
 
         heads = self.num_attention_heads
         q = self.query_proj(q_in).view(b, s, heads, -1)
@@ -174,7 +201,6 @@ class DebertaEfficientAttention(_DebertaAttentionCore):
         v = self.value_proj(hidden_states).view(b, s, heads, -1)
         scale = 1.0 / math.sqrt(q.shape[-1] * _score_scale_factor(self.pos_att_type))
         pos_key = pos_query = None
-        positions = dict(span=1, position_buckets=-1, max_relative_positions=1)  # content only: unused
         if self.relative_attention:
             span = self.pos_ebd_size
             rel = self.pos_dropout(rel_embeddings)[: 2 * span]
@@ -184,39 +210,62 @@ class DebertaEfficientAttention(_DebertaAttentionCore):
                 pos_key = key_proj(rel).view(2 * span, heads, -1)
             if "p2c" in self.pos_att_type:
                 pos_query = query_proj(rel).view(2 * span, heads, -1)
-            positions = dict(span=span, position_buckets=self.position_buckets,
-                             max_relative_positions=self.max_relative_positions)
+        # The held nn.Dropout's rate and flag, read now: TRL's disable_dropout_in_model (m.p = 0) works.
         p, training = float(self.dropout.p), self.dropout.training
         if packing is not None:
-            from tempo.ops.disentangled_attention import disentangled_attention_varlen
-
-            cu_seqlens, max_seqlen = packing
-            t = b * s
+            cu_seqlens, carrier = packing
+            max_seqlen, t = carrier.shape[0], b * s
             out = disentangled_attention_varlen(q.reshape(t, heads, -1), k.reshape(t, heads, -1),
                                                 v.reshape(t, heads, -1), cu_seqlens, max_seqlen, pos_key, pos_query,
                                                 scale=scale, dropout_p=p, training=training, **positions)
             return out.view(b, s, -1), None
-        from tempo.ops.disentangled_attention import disentangled_attention
-
         out = disentangled_attention(q, k, v, pos_key, pos_query, scale=scale, padding_mask=padding, dropout_p=p,
                                      training=training, **positions)
         return out.view(b, s, -1), None
 
 
-# -- what the op needs from the encoder's inputs, checked once per tensor (every layer gets the same one)
-_FACTS: dict[int, tuple[Any, int, Any]] = {}  # id(tensor) -> (weakref, version, answer); the batch being run
+def _positions(module: nn.Module, s: int) -> Optional[dict]:
+    """The op's position arguments for a sequence of ``s`` tokens, or None when the op cannot
+    compute what transformers does for it.
+
+    A config whose log buckets degenerate — ``max_relative_positions - 1 <= position_buckets // 2``
+    (small DeBERTa-v3 configs: ``max_position_embeddings`` <= 129 with 256 buckets) — makes
+    transformers' make_log_bucket_position take the log of a ratio <= 1 (negative buckets folding
+    back, or inf cast to an integer) beyond distance ``position_buckets // 2``; at and below that
+    distance it returns the distance itself. So sequences of up to ``position_buckets // 2 + 1``
+    tokens run with identity buckets over the same table (exact), longer ones the original
+    forward. (position_buckets = 1 never gets here: ``_one_bucket``.)"""
+    if not module.relative_attention:
+        return dict(span=1, position_buckets=-1, max_relative_positions=1)  # content only: unused
+    span, buckets, furthest = module.pos_ebd_size, module.position_buckets, module.max_relative_positions
+    mid = buckets // 2
+    if buckets > 0 and furthest > 0 and furthest - 1 <= mid:
+        if s - 1 > mid:
+            return None
+        return dict(span=span, position_buckets=-1, max_relative_positions=span)
+    return dict(span=span, position_buckets=buckets, max_relative_positions=furthest)
 
 
-def _cached(tensor: torch.Tensor, key: str, compute: Any) -> Any:
-    import weakref
+def _one_bucket(module: nn.Module) -> bool:
+    """position_buckets = 1 with log buckets: transformers' make_log_bucket_position divides by
+    position_buckets // 2 = 0 (ZeroDivisionError): the model does not run, with or without Tempo."""
+    return bool(module.relative_attention and module.position_buckets == 1 and module.max_relative_positions > 0)
 
-    entry = _FACTS.get(id(tensor))
-    if entry is not None and entry[0]() is tensor and entry[1] == (key, tensor._version):
-        return entry[2]
+
+# -- what the op needs from the encoder's inputs, checked in eager mode ---------------------------
+def _remembered(memo: Optional[dict], tensor: torch.Tensor, what: tuple, compute: Any) -> Any:
+    """``compute()``, remembered for this model call (every layer gets the same mask and position
+    tensors). The key is every field that can change what the tensor holds while the object stays
+    the same: an in-place write (version), ``.data`` swapped for other memory (data pointer), the
+    same memory read as another dtype, or another view geometry (shape, strides)."""
+    if memo is None or _is_fake(tensor):
+        return compute()
+    key = (what, id(tensor), tensor._version, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+    hit = memo.get(key)
+    if hit is not None and hit[0] is tensor:
+        return hit[1]
     answer = compute()
-    if len(_FACTS) > 8:
-        _FACTS.clear()
-    _FACTS[id(tensor)] = (weakref.ref(tensor), (key, tensor._version), answer)
+    memo[key] = (tensor, answer)  # a strong reference: no other tensor takes its id during the call
     return answer
 
 
@@ -227,9 +276,20 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def _padding_of(mask: torch.Tensor, b: int, s: int) -> Any:
+def _diagonal(mask: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """m of the encoder's pair mask m_i·m_j, as a contiguous bool [B, S] (1 = real)."""
+    return mask.reshape(b, s, s).diagonal(dim1=-2, dim2=-1).bool().contiguous()
+
+
+def _encoder_shapes(mask: Optional[torch.Tensor], relative_pos: Optional[torch.Tensor], b: int, s: int) -> bool:
+    """The shapes the encoder gives its layers for a [B, S] batch: a [B, 1, S, S] mask, [1, S, S] positions."""
+    return (mask is not None and tuple(mask.shape) == (b, 1, s, s)
+            and (relative_pos is None or tuple(relative_pos.shape[-2:]) == (s, s)))
+
+
+def _padding_of(mask: Optional[torch.Tensor], b: int, s: int, memo: Optional[dict]) -> Any:
     """The [B, S] padding mask behind the encoder's pair mask, None when nothing is padded, False
-    when the pair mask is not m_i·m_j of one (one host read per mask tensor)."""
+    when the pair mask is not m_i·m_j of one (one host read per mask tensor and call)."""
     def compute() -> Any:
         pairs = mask.reshape(b, s, s) if mask.dim() == 4 and mask.shape[1] == 1 else mask
         if pairs.shape != (b, s, s):
@@ -244,101 +304,175 @@ def _padding_of(mask: torch.Tensor, b: int, s: int) -> Any:
         return None if all_real else real.contiguous()
     if mask is None:
         return None
-    return _cached(mask, f"padding:{b}x{s}", compute)
+    return _remembered(memo, mask, ("padding", b, s), compute)
 
 
-def _standard_positions(module: nn.Module, relative_pos: torch.Tensor, s: int) -> bool:
-    """relative_pos is what the encoder builds (transformers' build_relative_position) for length s."""
+def _standard_positions(relative_pos: torch.Tensor, s: int, positions: dict, memo: Optional[dict]) -> bool:
+    """relative_pos is what the encoder builds (transformers' build_relative_position) for length
+    s, as far as the op's table sees it (``positions``: its arguments)."""
     def compute() -> bool:
-        from tempo.ops.disentangled_attention import relative_position_index
-
         if _is_fake(relative_pos):
             return relative_pos.numel() == s * s
-
-        span = module.pos_ebd_size
-        index = relative_position_index(s, span, module.position_buckets, module.max_relative_positions,
+        span = positions["span"]
+        index = relative_position_index(s, span, positions["position_buckets"], positions["max_relative_positions"],
                                         relative_pos.device)
         offsets = torch.arange(s, device=relative_pos.device)
         expected = index[(offsets[:, None] - offsets[None, :]) + s - 1].long() - span
-        got = relative_pos.reshape(-1, s, s)
-        # Positions beyond the span are clamped by the op exactly as transformers clamps them.
+        if relative_pos.numel() != s * s:
+            return False
+        # transformers reads the positions as integers, and clamps those beyond the span, as the op does.
+        got = relative_pos.reshape(s, s).to(torch.long)
         got = (got + span).clamp(0, 2 * span - 1) - span
         return bool((got == expected).all())
-    return _cached(relative_pos, f"positions:{s}:{module.pos_ebd_size}", compute)
+    return _remembered(memo, relative_pos, ("positions", s, *sorted(positions.items())), compute)
 
 
-# -- padding-free batches: the packing reaches every layer through a model-level hook -------------
-_packing = threading.local()
+# -- what one call of a DeBERTa model tells its layers: model-level hooks ----------------------------
+# The hooks are these module-level functions (pickled by reference, shared by deep copies); revert
+# finds them again by identity on each module of the tree it is given: no handle, no closure, nothing
+# that refers to one model instance is kept anywhere.
+class _Call:
+    """One call of a DeBERTa-v2 model (head or base) running in this thread."""
+
+    def __init__(self, owner: nn.Module, packing: Optional[tuple[torch.Tensor, torch.Tensor]], encoder_inputs: bool):
+        self.owner = owner
+        self.packing = packing  # the outermost call's (cu_seqlens, _length_carrier(max length)), or None
+        self.encoder_inputs = encoder_inputs  # its mask is [B, S] or absent: the encoder builds the layers' inputs
+        self.memo: dict = {}  # eager checks of the mask and positions, shared by the layers of this call
+
+
+_calls = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_calls, "stack", None)
+    if stack is None:
+        stack = _calls.stack = []
+    return stack
+
+
+def current_call() -> Optional[_Call]:
+    """The innermost DeBERTa model call running in this thread, or None."""
+    stack = getattr(_calls, "stack", None)
+    return stack[-1] if stack else None
 
 
 def current_packing() -> Optional[tuple[torch.Tensor, int]]:
     """(cu_seqlens int32, max length) of the padding-free batch being run, or None."""
-    return getattr(_packing, "value", None)
+    call = current_call()
+    if call is None or call.packing is None:
+        return None
+    cu_seqlens, carrier = call.packing
+    return cu_seqlens, carrier.shape[0]
 
 
-def _packing_from_call(args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, int]]:
+def _call_argument(args: tuple, kwargs: dict, name: str, position: int) -> Any:
+    # DeBERTa-v2 models' forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, ...)
+    return kwargs[name] if name in kwargs else (args[position] if len(args) > position else None)
+
+
+@torch.compiler.disable
+def _packing_from_call(args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """The packing a padding-free batch's call carries (cu_seq_lens_q, or position_ids restarting),
-    read as the registered Tempo attention reads it (hf_attention.packing_of_call); None otherwise."""
+    read as the registered Tempo attention reads it (hf_attention.packing_of_call): (cu_seqlens,
+    the longest sequence's length as ``_length_carrier``), or None. It reads the sequence
+    boundaries on the host, so torch.compile runs it outside the graph (one break, before the layers)."""
     from tempo.integrations.hf_attention import packing_of_call
 
-    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = _call_argument(args, kwargs, "input_ids", 0)
     if ids is None:
-        ids = kwargs.get("inputs_embeds")
+        ids = _call_argument(args, kwargs, "inputs_embeds", 4)
     if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
         return None
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None and len(args) > 3:
-        position_ids = args[3]  # (input_ids, attention_mask, token_type_ids, position_ids, ...)
-    return packing_of_call(ids.shape[0], ids.shape[1], kwargs, position_ids, ids.device)
+    position_ids = _call_argument(args, kwargs, "position_ids", 3)
+    packing = packing_of_call(ids.shape[0], ids.shape[1], kwargs, position_ids, ids.device)
+    return None if packing is None else (packing[0], _length_carrier(packing[1], packing[0]))
 
 
-def install_packing_hooks(model: nn.Module) -> Any:
-    """Hooks on every DeBERTa-v2 model of the tree (head and base) reading a padding-free batch's
-    packing from the outermost call; returns the undo. A model with the convolution layer (some
-    DeBERTa-v2 configs) is refused for packed batches: it mixes neighbouring tokens across sequences."""
-    handles = []
-
-    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        depth = getattr(_packing, "depth", 0)
-        _packing.depth = depth + 1
-        if depth:
-            return  # an inner model of the same call: the outermost call's packing holds
-        packing = _packing_from_call(args, kwargs)
-        if packing is not None and any(getattr(m, "conv", None) is not None for m in module.modules()
-                                       if type(m).__name__ == "DebertaV2Encoder"):
-            _packing.depth = 0
-            raise ValueError(f"{type(module).__name__}: padding-free batches (packed sequences) cannot run through "
-                             f"DeBERTa-v2's convolution layer (conv_kernel_size > 0 mixes neighbouring tokens "
-                             f"across sequences); pad the batch instead")
-        _packing.value = packing
-
-    def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        _packing.depth = getattr(_packing, "depth", 1) - 1
-        if _packing.depth <= 0:
-            _packing.depth = 0
-            _packing.value = None
-
-    for module in model.modules():
-        if (isinstance(module, _pretrained_model_class()) and type(module).__name__.startswith("DebertaV2")
-                and _HOOKED not in module.__dict__):
-            module.__dict__[_HOOKED] = True
-            handles.append((module, module.register_forward_pre_hook(pre, with_kwargs=True)))
-            handles.append((module, module.register_forward_hook(post, with_kwargs=True, always_call=True)))
-
-    def undo() -> None:
-        for module, handle in handles:
-            handle.remove()
-            module.__dict__.pop(_HOOKED, None)
-    return undo
+def _length_carrier(length: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty [length, 0] tensor (no bytes): the length travels as its size, which torch.compile
+    makes a dynamic dimension, where an int read by the layers would be guarded on (one graph per
+    longest-sequence length, soon past the recompile limit)."""
+    return like.new_empty((length, 0))
 
 
-_HOOKED = "_tempo_packing_hooks"
+def _encoder_builds_inputs(args: tuple, kwargs: dict) -> bool:
+    """The call's attention_mask is absent or [B, S] (the batch's shape): the encoder then gives every
+    layer the pair mask m_i·m_j and the standard relative positions (DebertaV2Encoder)."""
+    mask = _call_argument(args, kwargs, "attention_mask", 1)
+    if mask is None:
+        return True
+    ids = _call_argument(args, kwargs, "input_ids", 0)
+    if ids is None:
+        ids = _call_argument(args, kwargs, "inputs_embeds", 4)
+    return (isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2
+            and tuple(mask.shape) == tuple(ids.shape[:2]))
 
 
-def _pretrained_model_class() -> type:
+def _call_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    stack = _stack()
+    outer = stack[-1] if stack else None
+    packing = outer.packing if outer is not None else _packing_from_call(args, kwargs)
+    stack.append(_Call(module, packing, _encoder_builds_inputs(args, kwargs)))  # popped by the post hook, always
+    if packing is None or outer is not None:
+        return  # not packed, or an inner model of the same call (the outermost call's packing holds)
+    if any(getattr(m, "conv", None) is not None for m in module.modules() if type(m).__name__ == "DebertaV2Encoder"):
+        raise ValueError(f"{type(module).__name__}: padding-free batches (packed sequences) cannot run through "
+                         f"DeBERTa-v2's convolution layer (conv_kernel_size > 0 mixes neighbouring tokens "
+                         f"across sequences); pad the batch instead")
+    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) is True and m.training
+                                       for m in module.modules()):
+        # The recomputation runs in backward, after this call: its layers would not see the packing.
+        raise ValueError(f"{type(module).__name__}: padding-free batches (packed sequences) cannot run with gradient "
+                         f"checkpointing (the layers recomputed in backward run outside the call that carries "
+                         f"the packing); pad the batch, or call gradient_checkpointing_disable()")
+    mask = _call_argument(args, kwargs, "attention_mask", 1)
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):  # one host read; the packing took one already
+        raise ValueError("DeBERTa (Tempo): a padding-free batch (packed sequences) with padding in its "
+                         "attention_mask; pass one or the other")
+
+
+def _call_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    stack = _stack()
+    if stack and stack[-1].owner is module:  # not when another pre-hook raised before ours pushed
+        stack.pop()
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(hook is _call_pre_hook for hook in module._forward_pre_hooks.values())
+
+
+def _is_deberta_model(module: nn.Module) -> bool:
     from transformers import PreTrainedModel
 
-    return PreTrainedModel
+    return isinstance(module, PreTrainedModel) and type(module).__name__.startswith("DebertaV2")
+
+
+def install_call_hooks(model: nn.Module) -> None:
+    """The call hooks on every DeBERTa-v2 model of the tree (head and base) that lacks them: each
+    call hands its packing (a padding-free batch, read at the outermost call) and whether the
+    encoder builds the layers' inputs to every layer. Idempotent. A padding-free batch through a
+    model with the convolution layer (some DeBERTa-v2 configs) is refused: it mixes neighbouring
+    tokens across sequences."""
+    for module in model.modules():
+        if _is_deberta_model(module) and not _hooked(module):
+            module.register_forward_pre_hook(_call_pre_hook, with_kwargs=True)
+            module.register_forward_hook(_call_post_hook, with_kwargs=True, always_call=True)
+
+
+def remove_call_hooks(model: nn.Module) -> None:
+    """Take the call hooks out of every module of the tree: the entries whose function is this
+    module's hook (by identity; a user's hooks stay), as their RemovableHandle would."""
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if hook is _call_pre_hook:
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+        for key, hook in list(module._forward_hooks.items()):
+            if hook is _call_post_hook:
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
 
 
 def check_inputs(original: nn.Module, seq_len: int = 5) -> tuple:
@@ -373,7 +507,10 @@ def _restore(new: nn.Module, original: nn.Module) -> None:
         original._modules[name] = child
 
 
-def _build_efficient(old: nn.Module, options: Options) -> nn.Module:
+def _build_efficient(old: nn.Module, options: Options) -> Built:
+    if _one_bucket(old):
+        return Skip("position_buckets=1: transformers' own make_log_bucket_position divides by position_buckets // 2 "
+                    "= 0, the model cannot run")
     return DebertaEfficientAttention(old)
 
 
@@ -384,7 +521,8 @@ def deberta_recipes() -> list[Recipe]:
     return [
         Recipe(kind="DeBERTa attention", becomes="DebertaEfficientAttention (disentangled attention in O(s): "
                                                  "tempo.ops.disentangled_attention)",
-               replacement=DebertaEfficientAttention, build=_build_efficient, model_hook=install_packing_hooks,
+               replacement=DebertaEfficientAttention, build=_build_efficient, model_hook=install_call_hooks,
+               model_unhook=remove_call_hooks,
                enabled=lambda options: options.attention == "efficient", **common),
         Recipe(kind="DeBERTa attention core",
                becomes="DebertaCombinedAttention (softmax -> dropout -> bmm as Combined; relative-position "
@@ -395,4 +533,5 @@ def deberta_recipes() -> list[Recipe]:
 
 
 __all__ = ["DebertaCombinedAttention", "DebertaEfficientAttention", "check_inputs", "current_packing",
-           "deberta_recipes", "install_packing_hooks", "is_deberta_v2_attention", "matches_original"]
+           "current_call", "deberta_recipes", "install_call_hooks", "is_deberta_v2_attention", "matches_original",
+           "remove_call_hooks"]

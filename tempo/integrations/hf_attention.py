@@ -1,15 +1,29 @@
-"""Tempo's Combined attention as a transformers attention implementation named "tempo".
+"""Tempo's attentions as transformers attention implementations: "tempo" and "tempo_efficient".
 
 Models whose attention layers dispatch through ``ALL_ATTENTION_FUNCTIONS`` (BERT, RoBERTa,
-ELECTRA, DistilBERT, GPT-2, Llama, ... in recent transformers) call the function registered under
-``config._attn_implementation``. ``register_tempo_attention()`` registers
+ELECTRA, DistilBERT, GPT-2, Llama, T5, ... in recent transformers) call the function registered
+under ``config._attn_implementation``. ``register_tempo_attention()`` registers
 
-  * ``tempo_attention_forward`` with ``AttentionInterface``: scores = q·kᵀ·scaling + mask, then
-    ``combined_softmax_dropout_matmul`` with v, which keeps only the softmax output, v and a seed
-    for backward (eager attention also keeps the dropout mask and the dropout output);
-  * the mask function eager attention uses with ``AttentionMaskInterface``. Without it,
+  * ``tempo_attention_forward`` ("tempo") with ``AttentionInterface``: scores = q·kᵀ·scaling
+    (+ position_bias) + mask, then ``combined_softmax_dropout_matmul`` with v, which keeps only the
+    softmax output, v and a seed for backward (eager attention also keeps the dropout mask and the
+    dropout output);
+  * ``tempo_efficient_attention_forward`` ("tempo_efficient"): ``tempo.efficient_attention``, O(s)
+    kept per row; a position_bias goes in as its ``attn_bias`` (kept as given, shared by the batch,
+    its gradient summed into its own shape);
+  * the mask functions eager and sdpa attention use with ``AttentionMaskInterface``. Without them,
     transformers 5.x builds no mask at all for an unknown implementation name: padding would be
     silently ignored.
+
+Keyword arguments (transformers 5.17 to 5.24, every model's call scanned; the lists are
+``IMPLEMENTED_ARGUMENTS``, ``NO_EFFECT_ARGUMENTS``, ``EAGER_ONLY_ARGUMENTS``, ``REFUSED_ARGUMENTS``):
+scaling, dropout, is_causal, head_mask and ``position_bias`` (T5 and its kin: scores·scaling +
+position_bias + mask, eager's order) are computed; the packing arguments are read (below);
+``sliding_window`` and flash-only switches change nothing eager computes (the window is in the
+mask). ``softcap`` (Gemma-2) and attention sinks (``s_aux``, ``sinks``: GPT-OSS) are not computed:
+such a call runs the model's own eager attention, logged once per argument, as does any argument
+not on these lists unless it is None. ``indices`` / ``block_indices`` (sparse attention whose
+sparsity the model builds into the mask only for "eager" and "sdpa") raise ValueError.
 
 Attention weights: Tempo's attentions keep no probabilities, so a call that asks for them
 (``output_attentions=True``, which transformers 5.x records with output-capturing hooks and older
@@ -32,18 +46,25 @@ Padding-free batches (sequences packed back to back, as ``DataCollatorWithFlatte
 them): transformers passes ``position_ids`` (restarting at each sequence's first token) and, with
 ``return_flash_attn_kwargs=True``, ``cu_seq_lens_q/k`` down to the attention function, but its
 eager and sdpa attention of encoder models read neither: every token attends across the sequence
-boundaries, silently. Tempo's attentions read them (``packed_sequences``): ``cu_seq_lens_q`` when
-given, else boundaries wherever a position is not the previous one + 1 (any start, so RoBERTa's
-``padding_idx + 1`` works). Then "tempo_efficient" runs ``efficient_attention_varlen`` (O(T) kept,
-Σ L² work, causal per sequence for decoders) when no other mask applies, and both attentions
-otherwise AND the block-diagonal packing into the mask they got (GPT-2's packed causal mask from
-transformers already is; for it that changes nothing).
+boundaries, silently. Tempo's attentions read them: ``cu_seq_lens_q`` when given, else boundaries
+wherever a position is not the previous one + 1 (any start, so RoBERTa's ``padding_idx + 1``
+works). Then "tempo_efficient" runs ``efficient_attention_varlen`` (O(T) kept, Σ L² work, causal
+per sequence for decoders) when no other mask or bias applies, and both attentions otherwise AND
+the block-diagonal packing into the mask they got (GPT-2's packed causal mask from transformers
+already is; for it that changes nothing). Where it is read: once per model call, by the call hooks
+apply_tempo's attention switch puts on every transformers model of the tree (``install_call_hooks``:
+module-level functions, found again by identity on revert), outside any torch.compile graph; the
+layers take it from a thread-local call stack, so they make no host read and torch.compile traces
+them whole. Only the model's own arguments are read there (transformers models hand their layers
+the call's position_ids, or ones counting up from the cache length). A layer run outside a hooked
+call (the function called on its own; a layer recomputed by gradient checkpointing in backward)
+reads its own position_ids / cu_seq_lens (``packed_sequences``), once per tensor.
 
 Versions: ``AttentionInterface`` appeared in transformers 4.50 and ``AttentionMaskInterface`` in
 4.53; before 4.53 each model builds its own eager-style additive mask, so registering the
 attention function is enough there. BERT-family models dispatch through the interface from about
 4.54 (DistilBERT a little later); ``model_dispatches_attention`` checks the model's own source
-instead of trusting a version number. Tested with transformers 5.23; the 4.5x paths (no mask
+instead of trusting a version number. Tested with transformers 5.17 and 5.24; the 4.5x paths (no mask
 interface, GPT-2 layers that apply their causal mask inside eager attention) are written from
 those versions' APIs but not run here.
 """
@@ -53,6 +74,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import threading
 import weakref
 from typing import Any, Callable, Optional
 
@@ -269,27 +291,107 @@ def attention_weights_requested(kwargs: dict[str, Any]) -> bool:
     return isinstance(collected, dict) and "attentions" in collected
 
 
-_fallback_logged = False
+_fallback_logged = False  # the attention-weights fallback, logged once
+_logged_arguments: set[str] = set()  # the arguments whose eager fallback was logged (once each)
+
+# ---------------------------------------------------------------------------------------------
+# The keyword arguments of a call, by what Tempo's attentions do with them
+# ---------------------------------------------------------------------------------------------
+# Found by scanning transformers 5.17 and 5.24 (every models/*/modeling_*.py call of
+# attention_interface(...), the parameters of each eager_attention_forward and what it reads, the
+# TransformersKwargs and FlashAttentionKwargs a model's forward hands down, and sdpa_attention_forward).
+# Computed here: scaling, dropout, head_mask (named parameters) and
+IMPLEMENTED_ARGUMENTS = frozenset({
+    "is_causal",  # causality where the mask leaves it to the flag (sdpa's mask function)
+    "position_bias",  # T5, LongT5, mT5, UMT5, UDOP, Pix2Struct, LayoutLMv3, ...: added to the scores as eager does
+    "output_attentions",  # weights asked for: the model's eager attention for that call
+    "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",  # padding-free batches
+})
+# Change nothing eager computes (eager ignores them as well): the mask already holds them, or they
+# steer other kernels or other parts of the model.
+NO_EFFECT_ARGUMENTS = frozenset({
+    "sliding_window",  # transformers' mask functions build the window into the mask for eager and sdpa
+    "encoder_hidden_states",  # cross-attention: its keys and values are made from them before the call
+    "deterministic",  # flash-attention's determinism switch (ModernBERT)
+    "max_seqlen_q", "max_seqlen_k", "block_table", "cache_seqlens",  # flash / paged-attention bookkeeping
+    "output_hidden_states", "output_router_logits", "use_cache", "return_dict", "num_items_in_batch", "seq_idx",
+    "cache_position", "logits_to_keep",
+})
+# Change the scores; the model's own eager attention computes them and Tempo's does not: that call
+# runs eager attention (logged once per argument). Softcapping is exact only where the scores are
+# materialised, and a sink's gradient needs each row's log-sum-exp, which efficient_attention does
+# not return.
+EAGER_ONLY_ARGUMENTS = {
+    "softcap": "Gemma-2-style logit soft-capping, tanh(scores / c) * c",
+    "s_aux": "attention sinks (GPT-OSS-style: one logit per head in every row's softmax)",
+    "sinks": "attention sinks (one logit per head in every row's softmax)",
+}
+# Stand for sparsity that the model builds into the mask only when its implementation is "eager"
+# or "sdpa": under any other name neither Tempo's nor eager attention would apply it.
+REFUSED_ARGUMENTS = {
+    "indices": "DeepSeek-V3.2-style sparse attention's top-k keys",
+    "block_indices": "block-sparse attention's selected key blocks",
+}
 
 
-def _eager_fallback(module: nn.Module) -> Callable[..., tuple[Tensor, Optional[Tensor]]]:
-    """The eager attention of the module's own modeling file, else the generic one below."""
-    global _fallback_logged
-    if not _fallback_logged:
-        _fallback_logged = True
-        logger.warning("tempo attention: this call asks for attention weights (output_attentions=True), which "
-                       "Tempo attention does not keep; running eager attention for such calls (they keep the "
-                       "full attention matrix for backward)")
+def _eager_only_arguments(kwargs: dict[str, Any]) -> list[str]:
+    """The arguments of this call that only the model's eager attention computes (see above; any
+    argument not named above counts, unless it is None). Raises ValueError for a refused one."""
+    found = []
+    for name, value in kwargs.items():
+        if value is None or name in IMPLEMENTED_ARGUMENTS or name in NO_EFFECT_ARGUMENTS:
+            continue
+        if name in REFUSED_ARGUMENTS:
+            raise ValueError(f"tempo attention: argument '{name}' ({REFUSED_ARGUMENTS[name]}) is given: the model "
+                             f"builds that sparsity into the attention mask only under attn_implementation "
+                             f"'eager' or 'sdpa', so Tempo's attention (and eager's, which ignores '{name}') would "
+                             f"attend every key; patch this model with apply_tempo(model, attention=False)")
+        found.append(name)
+    return found
+
+
+def _log_argument_fallback(name: str, value: Any) -> None:
+    if name in _logged_arguments:
+        return
+    _logged_arguments.add(name)
+    what = EAGER_ONLY_ARGUMENTS.get(name, "an argument Tempo's attention does not know")
+    if isinstance(value, Tensor):
+        given = f"{name} (a tensor of shape {tuple(value.shape)})"
+    else:
+        given = f"{name}={value!r}"[:80]
+    logger.warning("tempo attention: this call passes %s: %s, which Tempo's attention does not compute; running "
+                   "the model's own eager attention for such calls (they keep the full attention matrix for "
+                   "backward)", given, what)
+
+
+def _eager_function(module: nn.Module, needs_own: list[str]) -> Callable[..., tuple[Tensor, Optional[Tensor]]]:
+    """The eager attention of the module's own modeling file, else the generic one below, which
+    computes position_bias and softcap but nothing else: then arguments only the model's own
+    eager would compute are refused (ValueError naming them)."""
     own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    return own if callable(own) else _generic_eager
+    if callable(own):
+        return own
+    unknown = [name for name in needs_own if name != "softcap"]
+    if unknown:
+        raise ValueError(f"tempo attention: argument(s) {', '.join(repr(n) for n in unknown)} of "
+                         f"{type(module).__name__}'s attention call are not computed by Tempo's attention, and its "
+                         f"modeling file ({type(module).__module__}) has no eager_attention_forward to run instead; "
+                         f"patch this model with apply_tempo(model, attention=False)")
+    return _generic_eager
 
 
 def _generic_eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                   scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, Tensor]:
+                   scaling: Optional[float] = None, dropout: float = 0.0, position_bias: Optional[Tensor] = None,
+                   softcap: Optional[float] = None, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """transformers' eager attention (T5's position_bias, Gemma-2's softcap in their order)."""
     if key.shape[1] != query.shape[1]:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if position_bias is not None:
+        scores = scores + position_bias
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
     weights = nn.functional.dropout(torch.softmax(scores, dim=-1).to(value.dtype), p=dropout,
@@ -463,18 +565,26 @@ def packing_of_call(batch: int, length: int, kwargs: dict[str, Any], position_id
     return moved, found[1]
 
 
+def _same_sequence(cu: Tensor, tokens: int, batch: int, device: torch.device) -> Tensor:
+    """Bool [B, 1, L, L]: True where query and key are in the same packed sequence (on the device,
+    no host read)."""
+    seq = torch.zeros(batch * tokens, dtype=torch.int64, device=device)
+    seq[cu[1:-1].long()] = 1
+    seq = seq.cumsum(0).reshape(batch, tokens)
+    return (seq[:, :, None] == seq[:, None, :]).unsqueeze(1)
+
+
 def _packing_mask(cu: Tensor, tokens: int, batch: int, device: torch.device) -> Tensor:
-    """Bool [B, 1, L, L]: True where query and key are in the same packed sequence. Computed on
-    the device (no host read), once per cu_seqlens tensor: every layer gets the same one."""
+    """``_same_sequence``, made once per cu_seqlens tensor: every layer gets the same one. Under
+    torch.compile it is made in the graph (the cache compares weak references and data pointers)."""
+    if torch.compiler.is_compiling():
+        return _same_sequence(cu, tokens, batch, device)
     if _packing_mask_cache:
         ref, state, cached_tokens, cached_batch, cached_device, mask = _packing_mask_cache[0]
         if (ref() is cu and state == _tensor_state(cu) and (cached_tokens, cached_batch, cached_device)
                 == (tokens, batch, device)):
             return mask
-    seq = torch.zeros(batch * tokens, dtype=torch.int64, device=device)
-    seq[cu[1:-1].long()] = 1
-    seq = seq.cumsum(0).reshape(batch, tokens)
-    mask = (seq[:, :, None] == seq[:, None, :]).unsqueeze(1)
+    mask = _same_sequence(cu, tokens, batch, device)
     _packing_mask_cache[:] = [(weakref.ref(cu), _tensor_state(cu), tokens, batch, device, mask)]
     return mask
 
@@ -485,26 +595,187 @@ def _with_packing(mask: Optional[Tensor], same: Tensor) -> Tensor:
         return same
     if mask.dtype == torch.bool:
         return mask & same
-    return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
+    return torch.where(same, mask, torch.finfo(mask.dtype).min)  # broadcasts a [B, 1, 1, L] mask too
 
 
+# ---------------------------------------------------------------------------------------------
+# What one model call tells its attention layers: the call hooks
+# ---------------------------------------------------------------------------------------------
+# apply_tempo's attention switch puts these module-level functions on every transformers model of
+# the tree whose attention it switches (head and base); revert finds them again by identity. No
+# handle, no closure: a deep copy or a pickled model carries its own, nothing refers to another
+# model. The packing of a call (a padding-free batch) is read once, at the call, outside any
+# torch.compile graph; the layers read it from the call stack and make no host read.
+_PER_LAYER = "per layer"  # a call whose packing could not be read at the call: each layer reads its own
+
+
+class _Call:
+    """One call of a model with Tempo's attention, running in this thread."""
+
+    def __init__(self, owner: nn.Module, sources: tuple, packing: Any):
+        self.owner = owner
+        self.sources = sources  # (position_ids, cu_seq_lens_q) of the call: an inner call given the same inherits
+        # None (not packed), _PER_LAYER, or (cu_seqlens int32 over the B·L tokens, then three empty tensors whose
+        # sizes are the call's [batch, row length], [longest sequence] and [shortest sequence]: sizes, which
+        # torch.compile keeps symbolic, where ints read by the layers would be guarded on, one graph per value).
+        self.packing = packing
+
+
+_calls = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_calls, "stack", None)
+    if stack is None:
+        stack = _calls.stack = []
+    return stack
+
+
+def _current_call() -> Optional[_Call]:
+    stack = getattr(_calls, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _empty_of_size(like: Tensor, *sizes: int) -> Tensor:
+    return like.new_empty((*sizes, 0))
+
+
+@torch.compiler.disable
+def _packing_from_call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The packing of a model call (see ``_Call.packing``), read with ``packing_of_call``'s rules
+    from its arguments (input_ids or inputs_embeds for the batch and row length; position_ids;
+    cu_seq_lens_q/k). One host read at most (cached per tensor), and torch.compile runs it outside
+    the graph: a break before the model's first op, none in its layers."""
+    try:
+        signature = inspect.signature(module.forward)
+        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return _PER_LAYER
+    found = {}
+    for name, parameter in signature.parameters.items():  # the **kwargs a model's forward takes, flattened
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            found.update(bound.pop(name, {}))
+    found.update(bound)
+    ids = found.get("input_ids")
+    if not isinstance(ids, Tensor):
+        ids = found.get("inputs_embeds")
+    position_ids, cu = found.get("position_ids"), found.get("cu_seq_lens_q")
+    if position_ids is None and cu is None:
+        return None
+    if not isinstance(ids, Tensor) or ids.dim() < 2:
+        return _PER_LAYER  # no batch and row length to read the packing against: each layer reads its own
+    batch, length = ids.shape[0], ids.shape[1]
+    packing = packing_of_call(batch, length, found, position_ids, ids.device)
+    if packing is None:
+        return None
+    cu_seqlens, longest = packing
+    from tempo.ops.attention import sequence_facts
+
+    shortest = sequence_facts(cu_seqlens).min_seqlen  # remembered by packing_of_call: no host read
+    return (cu_seqlens, _empty_of_size(cu_seqlens, batch, length), _empty_of_size(cu_seqlens, longest),
+            _empty_of_size(cu_seqlens, shortest))
+
+
+def _call_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    stack = _stack()
+    outer = stack[-1] if stack else None
+    position_ids, cu = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+    if outer is not None and (position_ids is None or position_ids is outer.sources[0]) and (
+            cu is None or cu is outer.sources[1]):
+        sources, packing = outer.sources, outer.packing  # a base model called by its head with the same batch
+    elif position_ids is None and cu is None and len(args) <= 1:
+        sources, packing = (None, None), None  # nothing that could pack (input_ids is the only positional one)
+    else:
+        sources, packing = (position_ids, cu), _packing_from_call(module, args, kwargs)
+    stack.append(_Call(module, sources, packing))  # popped by the post hook, always
+
+
+def _call_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    stack = _stack()
+    if stack and stack[-1].owner is module:  # not when another pre-hook raised before ours pushed
+        stack.pop()
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(hook is _call_pre_hook for hook in module._forward_pre_hooks.values())
+
+
+def install_call_hooks(model: nn.Module) -> list[nn.Module]:
+    """The call hooks on every transformers model of the tree (head and base) whose attention is
+    Tempo's and that lacks them; returns the modules that got them (what ``remove_call_hooks``
+    takes them out of)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return []
+    hooked = []
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        if (isinstance(module, PreTrainedModel) and getattr(config, "_attn_implementation", None)
+                in TEMPO_IMPLEMENTATIONS and not _hooked(module)):
+            module.register_forward_pre_hook(_call_pre_hook, with_kwargs=True)
+            module.register_forward_hook(_call_post_hook, with_kwargs=True, always_call=True)
+            hooked.append(module)
+    return hooked
+
+
+def remove_call_hooks(modules) -> None:
+    """Take the call hooks out of ``modules``: the entries whose function is this module's hook
+    (by identity; a user's hooks stay), as their RemovableHandle would."""
+    for module in modules:
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if hook is _call_pre_hook:
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+        for key, hook in list(module._forward_hooks.items()):
+            if hook is _call_post_hook:
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+
+
+def _layer_packing(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Optional[tuple[Tensor, int, Optional[int]]]:
+    """(cu_seqlens on the queries' device, longest, shortest or None) when this layer's tokens are
+    packed sequences, else None. Inside a hooked model call: the call's packing, when this layer
+    runs over the call's whole rows (self-attention, q_len == k_len == the row length, the same
+    batch); no host read, nothing torch.compile breaks on. Outside one (the function called on its
+    own, or a layer recomputed by gradient checkpointing in backward): the layer's own position_ids
+    or cu_seq_lens (``packed_sequences``), with one host read per tensor."""
+    call = _current_call()
+    if call is None or call.packing is _PER_LAYER:
+        found = packed_sequences(query, key, kwargs)
+        return None if found is None else (found[0], found[1], None)
+    if call.packing is None:
+        return None
+    cu, rows, longest, shortest = call.packing
+    q_len = query.shape[-2]
+    if q_len != key.shape[-2] or q_len <= 1 or query.shape[0] != rows.shape[0] or q_len != rows.shape[1]:
+        return None
+    if cu.device != query.device:  # a model spread over devices
+        cu = cu.to(query.device)
+    return cu, longest.shape[0], shortest.shape[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention functions
+# ---------------------------------------------------------------------------------------------
 def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Optional[Tensor], scaling: Optional[float], dropout: float,
                        head_mask: Optional[Tensor], kwargs: dict[str, Any]) -> tuple[Tensor, Optional[Tensor]]:
-    """What both Tempo attentions share around their core: the eager fallback when a call asks for
-    attention weights, grouped-query heads, the default scaling, the mask cut to the key length,
-    causality and a per-head head_mask. ``core(query, key, value, mask, scaling, dropout, is_causal,
+    """What both Tempo attentions share around their core: the eager fallback (a call that asks
+    for attention weights or passes an argument only eager computes), grouped-query heads, the
+    default scaling, the mask cut to the key length, causality, a position bias, packed sequences
+    and a per-head head_mask. ``core(query, key, value, mask, bias, scaling, dropout, is_causal,
     training)`` returns [batch, heads, q_len, head_dim]."""
     if scaling is None:
         scaling = _default_scaling(module, query.shape[-1])
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", False)
-    if attention_weights_requested(kwargs):
-        if head_mask is not None:
-            kwargs["head_mask"] = head_mask
-        mask = eager_attention_mask(module, query, key, attention_mask, bool(is_causal))
-        return _eager_fallback(module)(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    eager_only = _eager_only_arguments(kwargs)
+    if eager_only or attention_weights_requested(kwargs):
+        return _run_eager(module, query, key, value, attention_mask, scaling, dropout, head_mask, bool(is_causal),
+                          eager_only, kwargs)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
         groups = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(groups, dim=1)
@@ -512,25 +783,62 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, : key.shape[-2]]
-    packed = packed_sequences(query, key, kwargs)
+    bias = kwargs.get("position_bias")
+    packed = _layer_packing(query, key, kwargs)
     if packed is not None:
-        cu, max_len = packed
+        cu, longest, shortest = packed
         b, h, l, _ = query.shape
-        if mask is None and core is _efficient_core:
+        if mask is None and bias is None and core is _efficient_core:
             from tempo.ops.attention import efficient_attention_varlen
 
             q, k, v = (x.transpose(1, 2).reshape(b * l, h, x.shape[-1]) for x in (query, key, value))
-            out = efficient_attention_varlen(q, k, v, cu, max_len, dropout_p=float(dropout),
-                                             training=module.training, scale=scaling, is_causal=bool(is_causal))
+            out = efficient_attention_varlen(q, k, v, cu, longest, dropout_p=float(dropout), training=module.training,
+                                             scale=scaling, is_causal=bool(is_causal), min_seqlen=shortest)
             out = out.reshape(b, l, h, value.shape[-1]).transpose(1, 2)  # head_mask broadcasts on [b, h, l, d]
             if head_mask is not None:
                 out = out * _per_head(head_mask)
             return out.transpose(1, 2), None
+        if mask is None and is_causal:
+            mask = _causal_keep(query, key)  # a mask is made: causality goes into it
         mask = _with_packing(mask, _packing_mask(cu, l, b, query.device))
-    out = core(query, key, value, mask, scaling, float(dropout), bool(is_causal), module.training)
+    out = core(query, key, value, mask, bias, scaling, float(dropout), bool(is_causal), module.training)
     if head_mask is not None:
         out = out * _per_head(head_mask)
     return out.transpose(1, 2), None
+
+
+def _run_eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+               scaling: float, dropout: float, head_mask: Optional[Tensor], is_causal: bool, eager_only: list[str],
+               kwargs: dict[str, Any]) -> tuple[Tensor, Optional[Tensor]]:
+    """The model's own eager attention for this call (logged once per reason), with the additive
+    mask eager expects and, for a padding-free batch, every cross-sequence pair masked in it."""
+    global _fallback_logged
+    for name in eager_only:
+        _log_argument_fallback(name, kwargs[name])
+    if not eager_only and not _fallback_logged:
+        _fallback_logged = True
+        logger.warning("tempo attention: this call asks for attention weights (output_attentions=True), which "
+                       "Tempo attention does not keep; running eager attention for such calls (they keep the "
+                       "full attention matrix for backward)")
+    eager = _eager_function(module, eager_only)
+    if head_mask is not None:
+        kwargs["head_mask"] = head_mask
+    mask = eager_attention_mask(module, query, key, attention_mask, is_causal)
+    packed = _layer_packing(query, key, kwargs)
+    if packed is not None:
+        b, _, l, _ = query.shape
+        same = _packing_mask(packed[0], l, b, query.device)
+        if mask is None:
+            mask = torch.zeros((), dtype=_eager_mask_dtype(module, query), device=query.device)
+        mask = _with_packing(mask[..., : key.shape[-2]] if mask.dim() == 4 else mask, same)
+    return eager(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _causal_keep(query: Tensor, key: Tensor) -> Tensor:
+    """Bool [1, 1, q_len, k_len]: causality bottom-right aligned (the last query sees every key),
+    as transformers' cache positions and eager's masks are."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
 
 
 def _per_head(head_mask: Tensor) -> Tensor:
@@ -541,9 +849,11 @@ def _per_head(head_mask: Tensor) -> Tensor:
     return head_mask
 
 
-def _combined_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scaling: float,
-                   dropout: float, is_causal: bool, training: bool) -> Tensor:
+def _combined_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
+                   scaling: float, dropout: float, is_causal: bool, training: bool) -> Tensor:
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if bias is not None:  # eager's order: scores·scaling + position_bias + mask
+        scores = scores + bias
     if mask is not None:
         if mask.dtype == torch.bool:  # True = attend, as sdpa masks
             mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill(
@@ -558,14 +868,17 @@ def _combined_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Ten
     return combined_softmax_dropout_matmul(scores, value, dim=-1, p=dropout, training=training)
 
 
-def _efficient_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scaling: float,
-                    dropout: float, is_causal: bool, training: bool) -> Tensor:
+def _efficient_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
+                    scaling: float, dropout: float, is_causal: bool, training: bool) -> Tensor:
     from tempo.ops.attention import efficient_attention
 
-    # With a mask, causality is in it (as for sdpa); without one, the flag applies it.
+    # With a mask, causality is in it (as for sdpa); without one, the flag applies it, except beside a
+    # bias (efficient_attention takes the two only apart): then a causal mask is made.
     causal = is_causal and mask is None and query.shape[-2] > 1
+    if causal and bias is not None:
+        mask, causal = _causal_keep(query, key), False
     return efficient_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                               scale=scaling, training=training)
+                               scale=scaling, training=training, attn_bias=bias)
 
 
 def tempo_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -597,6 +910,13 @@ def tempo_efficient_attention_forward(module: nn.Module, query: Tensor, key: Ten
 
 
 __all__ = [
+    "EAGER_ONLY_ARGUMENTS",
+    "IMPLEMENTED_ARGUMENTS",
+    "NO_EFFECT_ARGUMENTS",
+    "REFUSED_ARGUMENTS",
+    "install_call_hooks",
+    "packing_of_call",
+    "remove_call_hooks",
     "TEMPO_ATTENTION",
     "TEMPO_IMPLEMENTATIONS",
     "accept_output_attentions",

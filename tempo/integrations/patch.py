@@ -16,11 +16,11 @@ numerically, restore; one per kind, declared per family):
   * DeBERTa-v2/v3's attention core (tempo.integrations.deberta);
   * the BERT family's residual blocks, fused dropout -> add -> LayerNorm
     (tempo.integrations.bert_family);
-  * ModernBERT's GeGLU MLP (tempo.integrations.modernbert);
+  * gated MLPs of every family, SwiGLU and GeGLU (tempo.integrations.gated_mlp);
   * ``nn.LayerNorm`` and GELU modules of every family (tempo.integrations.layers).
 
 A replaced module's subtree is Tempo's own: it is not entered, now or by a later call (the GELU
-inside Tempo's GeGLU MLP stays as it is). Then, for models whose attention dispatches through
+inside Tempo's gated MLP stays as it is). Then, for models whose attention dispatches through
 transformers' AttentionInterface, the configs' ``_attn_implementation`` becomes "tempo_efficient"
 (the default, ``attention="efficient"``) or "tempo" (``attention=True`` or "tempo": the paper's
 Combined), on copies of the configs (tempo.integrations.attention_switch). A model whose config sets
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torch import nn
@@ -82,9 +82,10 @@ def recipes() -> list[Recipe]:
     from tempo.integrations.bert_family import bert_family_recipes
     from tempo.integrations.deberta import deberta_recipes
     from tempo.integrations.layers import layer_recipes
-    from tempo.integrations.modernbert import modernbert_recipes
+    from tempo.integrations.gated_mlp import gated_mlp_recipes
+    from tempo.integrations.mpnet import mpnet_recipes
 
-    return [*deberta_recipes(), *bert_family_recipes(), *modernbert_recipes(), *layer_recipes()]
+    return [*deberta_recipes(), *mpnet_recipes(), *bert_family_recipes(), *gated_mlp_recipes(), *layer_recipes()]
 
 
 def _recipe_named(kind: str) -> Optional[Recipe]:
@@ -144,6 +145,7 @@ class _Plan:
     swaps: list[_Swap]
     skipped: Counter  # (kind, reason) -> count
     attention_modules: int  # modules an attention recipe replaces
+    named: Counter = field(default_factory=Counter)  # (kind, reason) -> modules already named in an INFO line
 
 
 def _is_tempo_module(module: nn.Module) -> bool:
@@ -177,13 +179,19 @@ def _plan(model: nn.Module, options: Options, active: list[Recipe]) -> _Plan:
             built = recipe.build(child, options)
             if isinstance(built, Skip):
                 plan.skipped[(built.kind or recipe.kind, built.reason)] += 1
-                logger.debug("left %s (%s) alone: %s", qualified, type(child).__name__, built.reason)
+                if built.measured:  # a numerical refusal: named, with its numbers (not again in the summary)
+                    plan.named[(built.kind or recipe.kind, built.reason)] += 1
+                    logger.info("apply_tempo: left %s (%s) alone: %s: %s", qualified, type(child).__name__,
+                                built.reason, built.measured)
+                else:
+                    logger.debug("left %s (%s) alone: %s", qualified, type(child).__name__, built.reason)
                 visit(child, qualified)
                 continue
             checked = recipe.check(child, built) if recipe.check is not None else True
             if not checked:
                 why = "its forward computes something other than the replacement"
                 plan.skipped[(recipe.kind, why)] += 1
+                plan.named[(recipe.kind, why)] += 1
                 logger.info("apply_tempo: left %s (%s) alone: the replacement %s computes something else: %s",
                             qualified, type(child).__name__, recipe.becomes.split(" (")[0],
                             getattr(checked, "reason", "") or "the numerical check failed")
@@ -242,7 +250,11 @@ def _attention_switch(model: nn.Module, options: Options, plan: _Plan) -> Option
     if not configs_of(model):
         logger.info("attention: %s has no HF config; nothing to switch", type(model).__name__)
         return None
+    attention_kinds = {r.kind for r in recipes() if r.option == "attention"}
+    refused = sorted(reason for kind, reason in plan.skipped if kind in attention_kinds)
     try:
+        if refused:  # an attention recipe recognised the modules and left them alone: its reason, not another
+            raise ImportError(f"{type(model).__name__}: its attention modules were left alone ({'; '.join(refused)})")
         require_attention_interface()
         if not model_dispatches_attention(model):
             raise ImportError(
@@ -256,12 +268,48 @@ def _attention_switch(model: nn.Module, options: Options, plan: _Plan) -> Option
             raise
         logger.info("apply_tempo: attention left as it is: %s", str(exc).split(". apply_tempo(")[0])
         return None
-    inherited: dict[int, Any] = {}
+    inherited: list[tuple[Any, Any]] = []  # (original config, its copy) pairs of sub-models patched before
     for _, state in _nested_states(model):
         switch = state.get("switch")
         if switch is not None:
-            inherited.update(switch.copies)
+            inherited.extend(switch.copies)
     return AttentionSwitch(model, _hf_implementation(options.attention), inherited)
+
+
+def _install_model_hooks(model: nn.Module) -> None:
+    """What the model needs around the replacements it holds (DeBERTa: the call hooks), where it lacks it."""
+    present = {m.__dict__.get(_KIND) for m in model.modules() if is_replacement(m)}
+    for recipe in recipes():
+        if recipe.model_hook is not None and recipe.kind in present:
+            recipe.model_hook(model)
+
+
+def _remove_model_hooks(model: nn.Module) -> None:
+    """Every recipe's model hooks out of the whole tree (found by identity: nothing was kept)."""
+    for recipe in recipes():
+        if recipe.model_unhook is not None:
+            recipe.model_unhook(model)
+
+
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _extras_of(model: nn.Module) -> list[tuple[nn.Module, set, list[tuple[str, dict]]]]:
+    """What model hooks add to the modules of the tree (instance attributes, forward hooks), as it
+    is now: a failed apply puts it back exactly (kept only during the call)."""
+    return [(m, set(m.__dict__), [(name, dict(m.__dict__[name])) for name in _FORWARD_HOOK_DICTS
+                                  if name in m.__dict__]) for m in model.modules()]
+
+
+def _put_extras_back(snapshot: list[tuple[nn.Module, set, list[tuple[str, dict]]]]) -> None:
+    for module, attributes, hook_dicts in snapshot:
+        for added in set(module.__dict__) - attributes:
+            del module.__dict__[added]
+        for name, entries in hook_dicts:
+            hooks = module.__dict__[name]
+            hooks.clear()
+            hooks.update(entries)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,8 +323,11 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     With no arguments: the default, ``tempo.choices.TempoChoice.default()`` (every Tempo layer kind
     with the efficient attention), which is what the trainers' ``--tempo`` means too.
 
-    ``gelu``: exact and tanh GELU modules -> InplaceGelu of the same form (and ModernBERT's GeGLU
-    MLP -> GegluMLP). ``layernorm``: nn.LayerNorm -> InplaceLayerNorm (same Parameters).
+    ``gelu``: exact and tanh GELU modules -> InplaceGelu of the same form (and gated MLPs, SwiGLU
+    and GeGLU -> GatedMLP). ``layernorm``: every norm, for a norm is a norm: nn.LayerNorm ->
+    InplaceLayerNorm, and any RMSNorm (LlamaRMSNorm, Qwen3's, EuroBERT's, Gemma3's (1 + w) form,
+    T5LayerNorm, nn.RMSNorm, ...; recognised by structure and checked numerically,
+    tempo.integrations.layers) -> InplaceRMSNorm, holding the same Parameters.
     ``attention``: None (the default) or "efficient": tempo.efficient_attention, O(s) kept per row
     (HF models dispatching through AttentionInterface: ``attn_implementation`` "tempo_efficient");
     True or "tempo": the paper's Combined ("tempo"; DeBERTa-v2/v3: ``DebertaCombinedAttention``);
@@ -301,6 +352,10 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     _check_not_differently_patched(model, options)
     if _STATE in model.__dict__:
         logger.info("apply_tempo: %s is already patched with this choice; nothing to do", type(model).__name__)
+        _install_model_hooks(model)  # only where missing (a sub-model moved in, say): idempotent
+        switch = model.__dict__[_STATE].get("switch")
+        if switch is not None:
+            switch.hook_calls()  # the attention's call hooks, likewise
         return model
 
     if options.attention is not None and asks_for_attention_weights(model):
@@ -317,28 +372,26 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
 
     # 2. Apply: swap them all in, then the attention; undo everything if any step fails.
     applied: list[_Swap] = []
-    undo: list = []
+    extras_before = _extras_of(model)
     try:
         for swap in plan.swaps:
             swap.parent._modules[swap.name] = swap.new
             applied.append(swap)
         if switch is not None:
             switch.apply()
-        # What the model needs around some replacements (DeBERTa: the padding-free packing hooks).
-        present = {m.__dict__.get(_KIND) for m in model.modules() if is_replacement(m)}
-        for recipe in recipes():
-            if recipe.model_hook is not None and recipe.kind in present:
-                undo.append(recipe.model_hook(model))
+        # What the model needs around some replacements (DeBERTa: the call hooks).
+        _install_model_hooks(model)
     except BaseException:
-        for step in reversed(undo):
-            step()
+        _put_extras_back(extras_before)
         if switch is not None:
             switch.undo()
         for swap in reversed(applied):
             swap.parent._modules[swap.name] = swap.old
         logger.info("apply_tempo: failed, %s left as it was", type(model).__name__)
         raise
-    model.__dict__[_STATE] = {"options": options, "switch": switch, "undo": undo}
+    # Data only (the choice, and the switch's config objects, all inside this model): a deep copy or a
+    # pickled model carries its own and reverts without touching this one.
+    model.__dict__[_STATE] = {"options": options, "switch": switch}
     _prepare_swapped(model, plan.swaps)
     _log(model, plan, switch)
     return model
@@ -356,6 +409,9 @@ def _log(model: nn.Module, plan: _Plan, switch: Optional[AttentionSwitch]) -> No
         counts[swap.recipe.labels(swap.new)] += 1
         logger.debug("%s: %s -> %s", swap.qualified, type(old).__name__, type(swap.new).__name__)
     for (kind, reason), n in sorted(plan.skipped.items()):
+        n -= plan.named[(kind, reason)]  # each of those was named with its numbers already
+        if n <= 0:
+            continue
         logger.info("apply_tempo: left %d %s module%s alone (%s)", n, kind, "" if n == 1 else "s", reason)
     for (kind, becomes), n in sorted(counts.items()):
         logger.info("apply_tempo: replaced %d %s -> %s", n, kind, becomes)
@@ -420,9 +476,8 @@ def revert_tempo(model: nn.Module) -> nn.Module:
     for _, module in list(model.named_modules()):
         if _STATE in module.__dict__:
             states.append(module.__dict__.pop(_STATE))
+    _remove_model_hooks(model)
     for state in states:
-        for step in reversed(state.get("undo", ())):
-            step()
         switch = state.get("switch")
         if switch is not None:
             switch.undo()

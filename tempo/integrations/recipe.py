@@ -71,6 +71,7 @@ class Skip:
 
     reason: str
     kind: Optional[str] = None  # the log's name for it, when not the recipe's kind
+    measured: str = ""  # a numerical refusal: what differed, by how much (logged per module, named)
 
 
 Built = Union[nn.Module, Skip]
@@ -91,9 +92,14 @@ class Recipe:
     restore: Optional[Callable[[nn.Module, nn.Module], None]] = None  # default: move the Parameters back
     enabled: Optional[Callable[[Options], bool]] = None  # default: the option's value is truthy
     label: Optional[Callable[[nn.Module], tuple[str, str]]] = None  # (kind, becomes) of one replacement, for logs
-    # Once per apply_tempo call on a model holding this recipe's replacements: what the model needs
-    # around them (DeBERTa: hooks handing a padding-free batch's packing to its layers); returns the undo.
-    model_hook: Optional[Callable[[nn.Module], Callable[[], None]]] = None
+    # What a model holding this recipe's replacements needs around them (DeBERTa: forward hooks handing
+    # each call's packing to its layers). ``model_hook(model)`` adds forward hooks or instance
+    # attributes where the tree lacks them (idempotent; every apply_tempo call; a failed apply takes
+    # back what it added); ``model_unhook(model)`` takes them out of the whole tree, found by identity
+    # (module-level functions, no handles or closures: a deep copy or a pickled model reverts on its
+    # own, never touching the model it was copied from).
+    model_hook: Optional[Callable[[nn.Module], None]] = None
+    model_unhook: Optional[Callable[[nn.Module], None]] = None
 
     def labels(self, new: nn.Module) -> tuple[str, str]:
         return self.label(new) if self.label is not None else (self.kind, self.becomes)
@@ -171,8 +177,11 @@ def same_submodules(src: nn.Module, dst: nn.Module) -> None:
 
 
 def has_meta_weights(module: nn.Module) -> bool:
-    """Built on the meta device (nothing to compute with yet: the structure was checked)."""
-    return any(p.is_meta for p in module.parameters())
+    """Built on the meta device, or made of fake tensors (tempo.plan's and tempo.memory's counting
+    copies): nothing to compute with, the structure was checked."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(p.is_meta or is_fake(p) for p in module.parameters())
 
 
 def first_tensor(out: Any) -> Optional[torch.Tensor]:

@@ -22,8 +22,9 @@ real CPU tensors.
 
 The exception: Tempo's LayerNorm forward ops (``tempo::layernorm_fwd``,
 ``tempo::dropout_add_layernorm_fwd``) keep x̂ for the K columns whose γ is too small to recover it
-from, decided from γ and β's values. On fake tensors they are counted with K = 0, which is what
-freshly initialised LayerNorms (γ = 1, β = 0) keep. Count a trained checkpoint on real tensors.
+from, decided from γ and β's values by ``tempo::layernorm_plan`` before the call. On fake tensors
+that plan is K = 0 columns, which is what freshly initialised LayerNorms (γ = 1, β = 0) keep, and the
+forward ops' outputs follow it. Count a trained checkpoint on real tensors.
 ``tests/test_memory.py`` holds the fake counts of every table to the real-tensor ledger.
 """
 
@@ -49,7 +50,7 @@ REAL_FACTORY_NUMEL = 1 << 20
 
 class _RealWhereValuesMatter(TorchDispatchMode):
     """Under the session's FakeTensorMode: ops on real inputs only, and small factories, run for real;
-    Tempo's LayerNorm forward ops get K = 0 outputs (module docstring)."""
+    Tempo's LayerNorm plan is K = 0 columns (module docstring)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -305,7 +305,19 @@ def _tempo_attention_forward(call: OpCall, target: Target) -> list[Kernel]:
         kernels.append(Kernel("_fused_mask (masked_fill)", ELEMENTWISE, mask.nbytes, mask.numel * q.itemsize))
     kernels.append(_attention_forward(q, k, v, out_bytes, b * h * sq, mask, dropout, "efficient_fwd",
                                       b * h * _cdiv(sq, 32) * 32))
-    return kernels
+    return kernels + _attention_bias_bytes(call, backward=False)
+
+
+def _attention_bias_bytes(call: OpCall, backward: bool) -> list[Kernel]:
+    """``attn_bias`` (MPNet's batch-shared bias): on CUDA it runs the tiled reference op, which no
+    CUDA kernel of ours stands for; counted as one more read of the bias per pass (and, in backward,
+    a write of its gradient when it needs one) beside the fused kernels' bytes: an approximation."""
+    bias = call.arg("attn_bias")
+    if bias is None:
+        return []
+    written = bias.nbytes if backward and call.arg("bias_needs_grad") else 0
+    return [Kernel("attn_bias (read with the scores" + ("; its gradient" if written else "") + ")", ELEMENTWISE,
+                   bias.nbytes, written)]
 
 
 @declares("tempo.efficient_attention_bwd")
@@ -314,9 +326,10 @@ def _tempo_attention_backward(call: OpCall, target: Target) -> list[Kernel]:
     b, h, sq, _ = q.shape
     dropout = call.arg("dropout_p") > 0
     if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return _attention_backward(q, k, v, out.nbytes, b * h * sq, None, dropout, "flash")
+        return _attention_backward(q, k, v, out.nbytes, b * h * sq, None, dropout, "flash") + \
+            _attention_bias_bytes(call, backward=True)
     return _attention_backward(q, k, v, out.nbytes, b * h * sq, mask, dropout, "efficient",
-                               b * h * _cdiv(sq, 32) * 32)
+                               b * h * _cdiv(sq, 32) * 32) + _attention_bias_bytes(call, backward=True)
 
 
 def _varlen_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, backward: bool) -> int:
@@ -404,13 +417,15 @@ def _gelu_backward(call: OpCall, target: Target) -> list[Kernel]:
     return kernels
 
 
-def _column_plan(n: int, weight: Optional[TensorMeta], bias: Optional[TensorMeta]) -> list[Kernel]:
-    """plan_kept_columns: about ten element-wise kernels over the N columns of γ and β (|γ|, |β|,
-    the comparison, the finiteness flags) and one host read of N flags; counted as one pass reading
-    γ and β and writing the N one-byte flags (a lower bound; ~0.1 % of a BERT LayerNorm's bytes)."""
-    if weight is None and bias is None:
-        return []
-    return [Kernel("plan_kept_columns", ELEMENTWISE, _opt_bytes(weight) + _opt_bytes(bias), n)]
+@declares("tempo.layernorm_plan")
+def _layernorm_plan(call: OpCall, target: Target) -> list[Kernel]:
+    """plan_kept_columns: a few element-wise kernels over the N columns of γ and β (|γ|, |β|, the
+    comparison, the finiteness flags) and one host read of N flags; counted as one pass reading γ
+    and β and writing the N one-byte flags (a lower bound; ~0.1 % of a BERT LayerNorm's bytes). On
+    CUDA it is made once per optimizer step for all layers (at the step), so a training step of one
+    forward makes it once per layer, as counted here."""
+    weight, bias = call.arg("weight"), call.arg("bias")
+    return [Kernel("plan_kept_columns", ELEMENTWISE, _opt_bytes(weight) + _opt_bytes(bias), call.arg("n"))]
 
 
 def _kept(call_kept_xhat: TensorMeta) -> int:
@@ -424,17 +439,16 @@ def _rows_n(x: TensorMeta, trailing: int) -> tuple[int, int]:
 
 @declares("tempo.layernorm_fwd")
 def _layernorm_forward(call: OpCall, target: Target) -> list[Kernel]:
-    """plan_kept_columns, then _layernorm_fwd_kernel: reads x, γ, β, writes y, rstd (fp32 per row)
-    and, when K > 0 columns are kept, the row mean; the host then gathers the kept columns' x̂ =
-    (x[:, cols] − mean)·rstd in fp32 (a few small torch kernels over rows × K)."""
+    """_layernorm_fwd_kernel (its plan is ``tempo.layernorm_plan``'s): reads x, γ, β, writes y, rstd
+    (fp32 per row) and, when K > 0 columns are kept, the row mean; the host then gathers the kept
+    columns' x̂ = (x[:, cols] − mean)·rstd in fp32 (a few small torch kernels over rows × K)."""
     x, weight, bias = call.arg("x"), call.arg("weight"), call.arg("bias")
     y, _rstd, _cols, kept_xhat = call.outputs
-    rows, n = _rows_n(x, call.arg("normalized_ndim"))
+    rows, _n = _rows_n(x, call.arg("normalized_ndim"))
     k = _kept(kept_xhat)
     read = x.numel * x.itemsize + _opt_bytes(weight) + _opt_bytes(bias)
     written = y.numel * y.itemsize + 4 * rows + (4 * rows if k else 0)
-    kernels = _column_plan(n, weight, bias) + [Kernel("_layernorm_fwd_kernel", NORMALIZATION, read, written,
-                                                      triton=True)]
+    kernels = [Kernel("_layernorm_fwd_kernel", NORMALIZATION, read, written, triton=True)]
     if k:
         block = rows * k
         kernels.append(Kernel("x[:, kept_cols]", ELEMENTWISE, block * x.itemsize + 8 * k, block * x.itemsize))
@@ -496,10 +510,73 @@ def _layernorm_backward(call: OpCall, target: Target) -> list[Kernel]:
     return kernels + _partial_sums(programs, n, params)
 
 
+@declares("tempo.rmsnorm_fwd")
+def _rmsnorm_forward(call: OpCall, target: Target) -> list[Kernel]:
+    """_rmsnorm_fwd_kernel (its plan is ``tempo.layernorm_plan``'s, β = None): reads x and w, writes y
+    and rstd (fp32 per row); when K > 0 columns are kept the host gathers their x̂ = x[:, cols]·rstd
+    in fp32 (a few small torch kernels over rows × K)."""
+    x, weight = call.arg("x"), call.arg("weight")
+    y, _rstd, _cols, kept_xhat = call.outputs
+    rows, _n = _rows_n(x, call.arg("normalized_ndim"))
+    k = _kept(kept_xhat)
+    kernels = [Kernel("_rmsnorm_fwd_kernel", NORMALIZATION, x.numel * x.itemsize + _opt_bytes(weight),
+                      y.numel * y.itemsize + 4 * rows, triton=True)]
+    if k:
+        block = rows * k
+        kernels.append(Kernel("x[:, kept_cols]", ELEMENTWISE, block * x.itemsize + 8 * k, block * x.itemsize))
+        if x.itemsize != 4:
+            kernels.append(Kernel("kept.float()", ELEMENTWISE, block * x.itemsize, 4 * block))
+        kernels.append(Kernel("kept * rstd", ELEMENTWISE, 4 * block + 4 * rows, 4 * block))
+    return kernels
+
+
+@declares("tempo.rmsnorm_bwd")
+def _rmsnorm_backward(call: OpCall, target: Target) -> list[Kernel]:
+    """w_eff (Gemma's form: 1 + w in fp32) and its reciprocal (recovery_inverse), then (N <=
+    BWD_BLOCK_MAX) _rmsnorm_bwd_kernel, or the wide pair _rmsnorm_bwd_row_sums_kernel (one row sum,
+    Σ g·w_eff·x̂) + _rmsnorm_bwd_wide_kernel, then the partial sums of dw. Grid sizes from
+    tempo.ops.layernorm._backward_plan for ``target.sms``."""
+    from tempo.ops.layernorm import _backward_plan
+
+    dy, y, rstd, kept_xhat, weight = (call.arg("grad_y"), call.arg("y"), call.arg("rstd"), call.arg("kept_xhat"),
+                                      call.arg("weight"))
+    rows, n = _rows_n(y, call.arg("normalized_ndim"))
+    k = _kept(kept_xhat)
+    dx_bytes = y.numel * _size(call.arg("x_dtype"))
+    wide, programs, _rows_per_program, _chunks = _backward_plan(rows, n, target.sms)
+    kernels: list[Kernel] = []
+    w_bytes = 0  # w_eff as the kernels load it
+    if weight is not None:
+        if call.arg("unit_offset"):
+            if weight.dtype != torch.float32:
+                kernels.append(_copy("w.to(float32)", weight, torch.float32))
+            kernels.append(Kernel("w + 1", ELEMENTWISE, 4 * n, 4 * n))
+            w_bytes = 4 * n
+            kernels.append(Kernel("γ.reciprocal()", ELEMENTWISE, 4 * n, 4 * n))
+        else:
+            w_bytes = weight.nbytes
+            kernels += _recovery_inverse(n, weight)
+    # What _recover loads per column: 1/w_eff (fp32), and with K > 0 the slots (int32), w_eff and the kept x̂.
+    recover = (4 * n if weight is not None else 0) + ((4 * n + 4 * rows * k + w_bytes) if k else 0)
+    rows_in = dy.numel * dy.itemsize + y.numel * y.itemsize
+    partials = 4 * programs * n if weight is not None else 0
+    # The kernels load w_eff for g·w_eff too; _recover's loads of it (K > 0) are the same addresses.
+    w_loaded = w_bytes if not k else 0
+    if not wide:
+        kernels.append(Kernel("_rmsnorm_bwd_kernel", NORMALIZATION, rows_in + w_loaded + recover + rstd.nbytes,
+                              dx_bytes + partials, triton=True))
+    else:
+        sums = 4 * rows  # one fp32 row sum
+        kernels.append(Kernel("_rmsnorm_bwd_row_sums_kernel", NORMALIZATION, rows_in + recover, sums, triton=True))
+        kernels.append(Kernel("_rmsnorm_bwd_wide_kernel", NORMALIZATION, rows_in + w_loaded + recover + rstd.nbytes
+                              + sums, dx_bytes + partials, triton=True))
+    return kernels + _partial_sums(programs, n, [weight] if weight is not None else [])
+
+
 @declares("tempo.dropout_add_layernorm_fwd")
 def _dal_forward(call: OpCall, target: Target) -> list[Kernel]:
-    """plan_kept_columns, then _dal_fwd_kernel: reads x, residual, γ, β, the seed (with dropout) and
-    the slots (K > 0); writes y, rstd and the kept x̂."""
+    """_dal_fwd_kernel (its plan is ``tempo.layernorm_plan``'s): reads x, residual, γ, β, the seed (with
+    dropout) and the slots (K > 0); writes y, rstd and the kept x̂."""
     x, residual, weight, bias = call.arg("x"), call.arg("residual"), call.arg("weight"), call.arg("bias")
     y, _rstd, _cols, kept_xhat = call.outputs
     rows, n = _rows_n(x, len(call.arg("normalized_shape")))
@@ -508,7 +585,7 @@ def _dal_forward(call: OpCall, target: Target) -> list[Kernel]:
     read = (x.numel * x.itemsize + residual.numel * residual.itemsize + _opt_bytes(weight) + _opt_bytes(bias)
             + (SEED_BYTES if dropout else 0) + (4 * n if k else 0))
     written = y.numel * y.itemsize + 4 * rows + 4 * rows * k
-    return _column_plan(n, weight, bias) + [Kernel("_dal_fwd_kernel", NORMALIZATION, read, written, triton=True)]
+    return [Kernel("_dal_fwd_kernel", NORMALIZATION, read, written, triton=True)]
 
 
 def dal_backward_programs(rows: int, sms: Optional[int]) -> int:
@@ -619,6 +696,70 @@ def _combined_backward(call: OpCall, target: Target) -> list[Kernel]:
         kernels.append(Kernel(_combined_row_kernel(sk, "_softmax_dropout_bwd"), NORMALIZATION,
                               scores * v.itemsize + scores * s.itemsize + (SEED_BYTES if dropout else 0),
                               scores * x_size, triton=True))
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# The gated MLP (tempo/ops/gated_mlp.py): one element-wise kernel each way around torch's GEMMs
+# ---------------------------------------------------------------------------------------------
+def _gated_rows(call: OpCall) -> tuple[int, int]:
+    """(rows, I) of the [rows, I] product: h is the gate, or [.., 2·I] holding gate and up."""
+    h = call.arg("h")
+    width = h.shape[-1] if call.arg("gate_half") < 0 else h.shape[-1] // 2
+    return (h.numel // h.shape[-1] if h.shape[-1] else 0), width
+
+
+def _gated_input_copies(call: OpCall) -> list[Kernel]:
+    """A gate or up that is not laid out as [rows, I] rows is copied first (reshape)."""
+    return [_copy(f"{name}.reshape(rows, -1)", t) for name, t in (("h", call.arg("h")), ("up", call.arg("up")))
+            if t is not None and not t.is_contiguous]
+
+
+@declares("tempo.gated_linear_fwd")
+def _gated_forward(call: OpCall, target: Target) -> list[Kernel]:
+    """_gated_fwd_kernel (reads gate and up, a fused projection's halves in place, and the seed with
+    dropout; writes the dropped product in the down projection's dtype), then F.linear(q, W, b)."""
+    h, weight, bias = call.arg("h"), call.arg("weight"), call.arg("bias")
+    rows, width = _gated_rows(call)
+    dropout = call.arg("training") and call.arg("p") > 0
+    q_size = weight.itemsize if weight is not None else h.itemsize
+    kernels = _gated_input_copies(call) + [Kernel("_gated_fwd_kernel", ELEMENTWISE,
+                                                  2 * rows * width * h.itemsize + (SEED_BYTES if dropout else 0),
+                                                  rows * width * q_size, triton=True)]
+    if weight is not None:
+        out = weight.shape[0]
+        kernels.append(Kernel("linear(q, W, b)", CONTRACTION, rows * width * q_size + weight.nbytes + _opt_bytes(bias),
+                              rows * out * weight.itemsize, 2 * rows * width * out, weight.dtype))
+    return kernels
+
+
+@declares("tempo.gated_linear_bwd")
+def _gated_backward(call: OpCall, target: Target) -> list[Kernel]:
+    """dq = dO·W (no GEMM without a weight), _gated_bwd_kernel (reads dq, gate, up and the seed with
+    dropout; writes d_gate, d_up and, for the weight's gradient, the recomputed product q), then
+    dW = dOᵀ·q and db = dO.sum(0)."""
+    grad, h, weight = call.arg("grad_out"), call.arg("h"), call.arg("weight")
+    rows, width = _gated_rows(call)
+    dropout = call.arg("training") and call.arg("p") > 0
+    want_q = weight is not None and call.arg("weight_grad")
+    kernels = _gated_input_copies(call)
+    if not grad.is_contiguous:
+        kernels.append(_copy("grad_out.reshape(rows, -1)", grad))
+    dq_size = grad.itemsize
+    if weight is not None:
+        out = weight.shape[0]
+        dq_size = weight.itemsize
+        kernels.append(Kernel("mm(dO, W)", CONTRACTION, grad.nbytes + weight.nbytes, rows * width * dq_size,
+                              2 * rows * out * width, weight.dtype))
+    elements = rows * width
+    kernels.append(Kernel("_gated_bwd_kernel", ELEMENTWISE,
+                          elements * dq_size + 2 * elements * h.itemsize + (SEED_BYTES if dropout else 0),
+                          2 * elements * h.itemsize + (elements * weight.itemsize if want_q else 0), triton=True))
+    if want_q:
+        kernels.append(Kernel("mm(dOᵀ, q)", CONTRACTION, grad.nbytes + elements * weight.itemsize, weight.nbytes,
+                              2 * rows * out * width, weight.dtype))
+    if weight is not None and call.arg("bias_grad"):
+        kernels.append(Kernel("dO.sum(0)", ELEMENTWISE, grad.nbytes, out * weight.itemsize))
     return kernels
 
 

@@ -30,9 +30,10 @@ strides are exact, no data exists, so a BERT-large step costs milliseconds per o
 ``Recorder`` (a ``TorchDispatchMode``)
     records each op below autograd: name, arguments with tensors replaced by ``TensorMeta``,
     outputs, forward or backward, and FLOPs from ``torch.utils.flop_counter``'s formulas. View ops
-    are not recorded (they move nothing). Tempo's LayerNorm forward ops return x̂ of K "kept"
-    columns, a data-dependent size: they are recorded with K = 0 (γ = 1, β = 0 at initialisation
-    recovers every column; see tempo/ops/layernorm.py) and say so in ``OpCall.note``.
+    are not recorded (they move nothing). Tempo's LayerNorm forward ops keep x̂ of K "kept"
+    columns, planned from γ/β's values by ``tempo.layernorm_plan``: on fake γ/β that plan is recorded
+    with K = 0 (γ = 1, β = 0 at initialisation recovers every column; see tempo/ops/layernorm.py)
+    and says so in ``OpCall.note``; the forward ops' outputs follow it.
 """
 
 from __future__ import annotations
@@ -222,7 +223,12 @@ class Recorder(TorchDispatchMode):
             outputs=tuple(_meta_tree(o) for o in pytree.tree_leaves(out)), phase=self.phase, flops=flops,
             reads=tuple(TensorMeta.of(t) for t in reads), writes=tuple(TensorMeta.of(t) for t in writes),
             note=note))
+        self.recorded(self.calls[-1], reads, writes)
         return out
+
+    def recorded(self, call: OpCall, reads: list[Tensor], writes: list[Tensor]) -> None:
+        """Called with each recorded op and the tensors it read and wrote (subclasses follow the data:
+        tempo.plan's timeline does)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,6 +90,19 @@ the device and the switches, so eager and torch.compile take the same path)
     kernel takes (fp64, head dims the kernels refuse, a head dim with stride != 1, all fused
     backends switched off) runs the reference op too: logged once per case (logger "tempo"; under
     torch.compile when the call is traced).
+  * An ``attn_bias`` runs the reference op with a backward when a float mask would (dropout on, or
+    it requires grad: a learned bias always does in training) and whenever an ``attn_mask`` is
+    given too (sdpa takes one mask; the merged one would be (b, h, s_q, s_k), which sdpa keeps).
+    So MPNet's training attention runs the reference op on CUDA: kept for backward, q, k, v, the
+    output, two fp32 numbers per row, the seed, the [b, 1, 1, s] padding mask and the shared
+    [1, h, s, s] bias (the last two once per forward, shared by all layers); transient, per call,
+    fp32 copies of q, k, v (O(s·d)), tile-sized scores, probabilities and dropout tiles
+    ([b, h, BLOCK_Q, BLOCK_K]), and in backward the dq, dk, dv accumulators and one [1, h, s, s]
+    fp32 bias-gradient buffer. Slower than a fused kernel (a Python loop over tiles, batched over
+    (b, h)); a Triton kernel with the bias and its batch-reduced gradient is not written yet. The
+    fused alternatives do not fit: sdpa's efficient kernel takes a bias with grad but materialises
+    its gradient at the expanded (b, h, s_q, s_k) shape and is broken on torch 2.11 (pytorch issue
+    148476), and it takes one mask (padding + bias merged: (b, h, s_q, s_k) kept).
   * The acceptance rules are torch's own, narrowed where unsure (cuDNN head dims <= 128). A call
     they accept that torch still refuses fails in sdpa ("No available kernel") in eager and
     compiled code alike. Under torch.compile the switches and device facts are read when the
@@ -109,6 +122,12 @@ Semantics (those of ``torch.nn.functional.scaled_dot_product_attention``)
   * ``q`` (b, h, s_q, d), ``k`` (b, h, s_k, d), ``v`` (b, h, s_k, d_v); same dtype and device.
     ``scale`` defaults to 1/sqrt(d). ``is_causal``: query i attends keys j <= i (upper-left
     aligned, as sdpa); it cannot be combined with ``attn_mask``.
+  * ``attn_bias`` (not an sdpa argument): a second additive float term, scores = scale·q·kᵀ +
+    attn_bias + attn_mask, broadcasting to (b, h, s_q, s_k), with its gradient when it requires
+    grad. For a learned bias shared by the batch beside a per-sample padding mask (MPNet's relative
+    positions, [1, h, s_q, s_k]): the reference op keeps it as given (one copy per forward when every
+    layer passes the same tensor) and accumulates its gradient in one buffer of its own shape, never
+    (b, h, s_q, s_k). Without a backward the stock sdpa gets the two merged (a transient).
   * ``attn_mask`` broadcasts to (b, h, s_q, s_k): bool (True = attend) or an additive float mask
     of any float dtype. BERT's key-padding masks are (b, 1, 1, s_k). A row whose keys are all
     masked (bool False or -inf) gives output 0 and gradient 0, never NaN. Additive ``finfo.min``
@@ -126,8 +145,14 @@ Semantics (those of ``torch.nn.functional.scaled_dot_product_attention``)
     ``attention_keep_mask`` regenerates the whole mask. The seed is drawn from torch's RNG, so
     ``torch.manual_seed`` and ``torch.utils.checkpoint`` reproduce it. On the sdpa path the mask
     is sdpa's own (CUDA philox) and cannot be regenerated here.
-  * Autocast (custom ops are not on autocast's lists, so this function decides): fp32/fp16/bf16
-    inputs are cast to the autocast dtype and the output has that dtype, as sdpa under autocast.
+  * Autocast: sdpa's policy exactly (custom ops are on no autocast list, so ``autocast_like_sdpa``
+    applies it first): sdpa is ``lower_precision_fp`` for CUDA and CPU in torch 2.11 and 2.13, so
+    every floating-point q, k, v and float ``attn_mask`` on the autocast's device that is not fp64
+    is cast to the autocast dtype, and the output has that dtype. q, k, v of mixed dtypes are then
+    sdpa's normal case (RoPE leaves q, k fp32 beside a bf16 v); an fp64 one beside others is refused
+    as sdpa refuses it. A float mask's ``finfo(float32).min`` becomes −inf in bf16 and fp16, so a row
+    masked only by it gives 0, as stock sdpa under autocast. Outside autocast, mixed q, k, v dtypes
+    raise ``MixedDtypeError`` (a TypeError, and the RuntimeError sdpa raises for them).
   * With a backward, the output is a (b, h, s_q, d_v) tensor stored as (b, s_q, h, d_v):
     ``out.transpose(1, 2)`` is contiguous, so merging the heads for the output projection is a
     view, not a copy (flash, efficient and the reference op; cuDNN's and the stock CPU sdpa's
@@ -154,7 +179,6 @@ _OP = "efficient_attention"
 # changing them changes which elements a given seed drops.
 BLOCK_Q = 128
 BLOCK_K = 128
-_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 _MASK64 = (1 << 64) - 1
 
 logger = logging.getLogger("tempo")
@@ -249,9 +273,12 @@ def _mask_tile(mask4: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
 
 
 def _scores(qs: Tensor, kc: Tensor, mask4: Optional[Tensor], is_causal: bool,
-            q0: int, q1: int, k0: int, k1: int) -> Tensor:
-    """Masked scores of one tile; ``qs`` is the scaled query tile. Forward and backward share it."""
+            q0: int, q1: int, k0: int, k1: int, bias4: Optional[Tensor] = None) -> Tensor:
+    """Masked scores of one tile; ``qs`` is the scaled query tile. Forward and backward share it.
+    scale·q·kᵀ + bias + mask, in that order (MPNet's order; BERT's has no bias)."""
     s = torch.matmul(qs, kc[:, :, k0:k1].transpose(-1, -2))
+    if bias4 is not None:
+        s.add_(_mask_tile(bias4, q0, q1, k0, k1))
     if mask4 is not None:
         tile = _mask_tile(mask4, q0, q1, k0, k1)
         if tile.dtype == torch.bool:
@@ -276,7 +303,8 @@ def _key_blocks(is_causal: bool, q1: int, s_k: int) -> list[tuple[int, int, int]
 
 
 def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], seed: Tensor,
-                       p: float, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+                       p: float, is_causal: bool, scale: float,
+                       bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     b, h, s_q, _ = q.shape
     s_k, d_v = k.shape[2], v.shape[3]
     cdt = _compute_dtype(q.dtype)
@@ -287,7 +315,7 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], 
         return out, stats
     qs = q.to(cdt) * scale  # O(s·d) transients; scaling q is cheaper than scaling every score
     kc, vc = k.to(cdt), v.to(cdt)
-    mask4 = _as_4d(mask)
+    mask4, bias4 = _as_4d(mask), _as_4d(bias)
     dropout = p > 0.0
     seed_int = int(seed.item()) if dropout else 0  # host sync: this is the CPU / fallback path
     gen = torch.Generator(device=q.device) if dropout else None
@@ -295,7 +323,7 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], 
         qt = qs[:, :, q0:q1]
         m = l = acc = None
         for ki, k0, k1 in _key_blocks(is_causal, q1, s_k):
-            s = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1)
+            s = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1, bias4)
             m_tile = s.amax(dim=-1)
             m_new = m_tile if m is None else torch.maximum(m, m_tile)
             # Rows with every key so far at -inf shift by 0, so exp gives 0 rather than NaN.
@@ -335,7 +363,11 @@ def _reduce_to(t: Tensor, shape: torch.Size) -> Tensor:
 
 def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
                         mask: Optional[Tensor], seed: Tensor, p: float, is_causal: bool, scale: float,
-                        mask_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        mask_needs_grad: bool, bias: Optional[Tensor] = None,
+                        bias_needs_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask, dbias); dmask / dbias are empty unless asked for. Both are the gradient
+    of the scores summed over the mask's / bias's broadcast dims, accumulated tile by tile in the
+    compute dtype: a batch-shared [1, h, s_q, s_k] bias costs one such buffer, never (b, h, s_q, s_k)."""
     s_q, s_k = q.shape[2], k.shape[2]
     cdt = _compute_dtype(q.dtype)
     qs = q.to(cdt) * scale
@@ -346,8 +378,9 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     dq = torch.zeros_like(q, dtype=cdt)
     dk = torch.zeros_like(k, dtype=cdt)
     dv = torch.zeros_like(v, dtype=cdt)
-    mask4 = _as_4d(mask)
+    mask4, bias4 = _as_4d(mask), _as_4d(bias)
     dmask4 = torch.zeros(mask4.shape, dtype=cdt, device=q.device) if mask_needs_grad else None
+    dbias4 = torch.zeros(bias4.shape, dtype=cdt, device=q.device) if bias_needs_grad else None
     dropout = p > 0.0
     seed_int = int(seed.item()) if dropout else 0
     gen = torch.Generator(device=q.device) if dropout else None
@@ -358,7 +391,7 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
         delta_t = delta[:, :, q0:q1].unsqueeze(-1)
         for ki, k0, k1 in _key_blocks(is_causal, q1, s_k):
             # P = exp((S - m) - log l): S - m is exact near the row's max whatever |m| is.
-            probs = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1).sub_(m_t).sub_(log_l_t).exp_()
+            probs = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1, bias4).sub_(m_t).sub_(log_l_t).exp_()
             dp = torch.matmul(gt, vc[:, :, k0:k1].transpose(-1, -2))
             if dropout:
                 z = _dropout_tile(gen, seed_int, qi, ki, tuple(probs.shape), p, q.device, cdt)
@@ -369,17 +402,17 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                 dv[:, :, k0:k1] += torch.matmul(probs.transpose(-1, -2), gt)
             ds = dp.sub_(delta_t).mul_(probs)  # dS = P * (dP - D), in dp's storage
             del probs
-            if dmask4 is not None:
-                rows = slice(q0, q1) if dmask4.shape[2] != 1 else slice(None)
-                cols = slice(k0, k1) if dmask4.shape[3] != 1 else slice(None)
-                target = dmask4[:, :, rows, cols]
-                target += _reduce_to(ds, target.shape)
+            for grad4 in (dmask4, dbias4):  # both are the scores' gradient, summed over their broadcast dims
+                if grad4 is not None:
+                    target = _mask_tile(grad4, q0, q1, k0, k1)
+                    target += _reduce_to(ds, target.shape)
             dq[:, :, q0:q1] += torch.matmul(ds, kc[:, :, k0:k1])
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)  # qt carries the scale
             del ds
     dq.mul_(scale)
     dmask = dmask4.reshape(mask.shape).to(mask.dtype) if dmask4 is not None else q.new_empty(0)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
+    dbias = dbias4.reshape(bias.shape).to(bias.dtype) if dbias4 is not None else q.new_empty(0)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, dbias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,13 +420,14 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
 # ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("tempo::efficient_attention_fwd", mutates_args=())
 def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Tensor,
-                      dropout_p: float, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+                      dropout_p: float, is_causal: bool, scale: float,
+                      attn_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     with torch.autocast(q.device.type, enabled=False):
-        return _reference_forward(q, k, v, attn_mask, seed, dropout_p, is_causal, scale)
+        return _reference_forward(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, attn_bias)
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale):
+def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, attn_bias=None):
     b, h, s_q, _ = q.shape
     d_v = v.shape[3]
     out = q.new_empty_strided((b, h, s_q, d_v), (s_q * h * d_v, d_v, h * d_v, 1))
@@ -403,35 +437,42 @@ def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale):
 @torch.library.custom_op("tempo::efficient_attention_bwd", mutates_args=())
 def _attention_bwd_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
                       attn_mask: Optional[Tensor], seed: Tensor, dropout_p: float, is_causal: bool,
-                      scale: float, mask_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dmask); dmask is empty unless ``mask_needs_grad``."""
+                      scale: float, mask_needs_grad: bool, attn_bias: Optional[Tensor] = None,
+                      bias_needs_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask, dbias); dmask / dbias are empty unless ``mask_needs_grad`` /
+    ``bias_needs_grad``."""
     with torch.autocast(q.device.type, enabled=False):
         return _reference_backward(grad_out, q, k, v, out, stats, attn_mask, seed, dropout_p,
-                                   is_causal, scale, mask_needs_grad)
+                                   is_causal, scale, mask_needs_grad, attn_bias, bias_needs_grad)
 
 
 @_attention_bwd_op.register_fake
-def _(grad_out, q, k, v, out, stats, attn_mask, seed, dropout_p, is_causal, scale, mask_needs_grad):
+def _(grad_out, q, k, v, out, stats, attn_mask, seed, dropout_p, is_causal, scale, mask_needs_grad,
+      attn_bias=None, bias_needs_grad=False):
     dmask = torch.empty_like(attn_mask) if mask_needs_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    dbias = torch.empty_like(attn_bias) if bias_needs_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask, dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, seed, dropout_p, is_causal, scale = inputs
+    q, k, v, attn_mask, seed, dropout_p, is_causal, scale, attn_bias = inputs
     out, stats = output
     ctx.mark_non_differentiable(stats)
     # One implementation sits behind this op (the CPU path has no Triton kernel), so there is no
     # backend to record: backward regenerates the dropout tiles from the seed alone.
-    ctx.save_for_backward(q, k, v, out, stats, seed, attn_mask)
+    ctx.save_for_backward(q, k, v, out, stats, seed, attn_mask, attn_bias)
     ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
 
 
 def _backward(ctx, grad_out, grad_stats):
-    q, k, v, out, stats, seed, attn_mask = ctx.saved_tensors
+    q, k, v, out, stats, seed, attn_mask, attn_bias = ctx.saved_tensors
     mask_needs_grad = attn_mask is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = _attention_bwd_op(grad_out, q, k, v, out, stats, attn_mask, seed, ctx.dropout_p,
-                                          ctx.is_causal, ctx.scale, mask_needs_grad)
-    return dq, dk, dv, (dmask if mask_needs_grad else None), None, None, None, None
+    bias_needs_grad = attn_bias is not None and ctx.needs_input_grad[8]
+    dq, dk, dv, dmask, dbias = _attention_bwd_op(grad_out, q, k, v, out, stats, attn_mask, seed, ctx.dropout_p,
+                                                 ctx.is_causal, ctx.scale, mask_needs_grad, attn_bias,
+                                                 bias_needs_grad)
+    return (dq, dk, dv, (dmask if mask_needs_grad else None), None, None, None, None,
+            (dbias if bias_needs_grad else None))
 
 
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -660,16 +701,68 @@ def _no_fused_reason(q: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_
 # ----------------------------------------------------------------------------------------------
 # Public functional and module.
 # ----------------------------------------------------------------------------------------------
+class MixedDtypeError(TypeError, RuntimeError):
+    """q, k, v of different dtypes where sdpa refuses them too (outside autocast, or an fp64 one
+    under it). A TypeError like every Tempo dtype error, and the RuntimeError sdpa raises, so code
+    catching sdpa's error catches this one."""
+
+
+def autocast_like_sdpa(*tensors: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+    """``tensors`` as ``scaled_dot_product_attention`` receives them under the autocast active on
+    their device, else unchanged. sdpa is on autocast's lower-precision list for CUDA and CPU
+    (aten/src/ATen/autocast_mode.{h,cpp}: ``scaled_dot_product_attention, lower_precision_fp``, the
+    same in torch 2.11 and 2.13): ``cached_cast`` turns every floating-point tensor argument that is
+    on the autocast's device and not fp64 (q, k, v and a float attn_mask; a bool mask is no float)
+    into the autocast dtype; fp64 ones and tensors of another device stay as they are. So RoPE's
+    fp32 q and k meet a bf16 v in bf16, and an fp64 q beside fp32 k, v is a dtype error there too.
+    The casts are differentiable (a gradient returns in the caller's dtype)."""
+    if not tensors or not isinstance(tensors[0], Tensor):
+        return tensors
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if (isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                                 and t.device.type == device_type and t.dtype != dtype) else t
+                 for t in tensors)
+
+
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, op: str, layout: str) -> None:
-    """Float tensors of len(layout's dims) dims and one dtype (both attention ops)."""
+    """Float tensors of len(layout's dims) dims and one dtype (both attention ops), checked after
+    ``autocast_like_sdpa``: what sdpa accepts, this accepts."""
     dims = layout.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(t, name, op)
         if t.dim() != dims:
             raise ValueError(f"{op}: argument '{name}' must be {dims}-D ({layout}), got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{op}: arguments 'q', 'k', 'v' must have the same dtype, got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+        where = ("under torch.autocast only fp64 tensors keep their dtype, as in sdpa"
+                 if torch.is_autocast_enabled(q.device.type) else
+                 "scaled_dot_product_attention refuses them too outside torch.autocast; under autocast "
+                 "every non-fp64 one is cast to the autocast dtype")
+        raise MixedDtypeError(f"{op}: arguments 'q', 'k', 'v' must have the same dtype, got "
+                              f"{q.dtype}, {k.dtype}, {v.dtype} ({where})")
+
+
+def _check_bias(attn_bias: Tensor, q: Tensor, k: Tensor, is_causal: bool) -> None:
+    if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
+        got = attn_bias.dtype if isinstance(attn_bias, Tensor) else type(attn_bias).__name__
+        raise TypeError(f"{_OP}: argument 'attn_bias' must be a floating-point torch.Tensor or None, got {got}")
+    if is_causal:
+        raise ValueError(f"{_OP}: arguments 'attn_bias' and 'is_causal' cannot both be set; fold the causal "
+                         f"mask into attn_bias")
+    if attn_bias.device != q.device:
+        raise ValueError(f"{_OP}: argument 'attn_bias' must be on {q.device}, got {attn_bias.device}")
+    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    ok = attn_bias.dim() <= 4
+    if ok:
+        try:
+            ok = tuple(torch.broadcast_shapes(tuple(attn_bias.shape), scores)) == scores
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{_OP}: argument 'attn_bias' of shape {tuple(attn_bias.shape)} does not broadcast "
+                         f"to the scores' shape (batch, heads, s_q, s_k) = {scores}")
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
@@ -716,7 +809,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
 
 def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                         dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                        training: bool = True, *, seed: Optional[Tensor] = None) -> Tensor:
+                        training: bool = True, *, seed: Optional[Tensor] = None,
+                        attn_bias: Optional[Tensor] = None) -> Tensor:
     """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p if training else 0, is_causal,
     scale)`` keeping O(s) per query row for backward (see the module docstring).
 
@@ -724,7 +818,22 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     Pass ``training=self.training``. ``seed`` (0-d integer tensor, reference path only) fixes the
     dropout mask; by default one is drawn from torch's RNG. Without a backward and without dropout
     the stock sdpa runs and keeps nothing (see "Paths").
+
+    ``attn_bias``: a second additive term, scores = scale·q·kᵀ + attn_bias + attn_mask, for a
+    learned bias shared by the batch (MPNet's relative positions: [1, heads, s_q, s_k]) beside a
+    per-sample padding mask: added as one sdpa mask they would make (b, h, s_q, s_k), which sdpa
+    keeps for backward. Float, broadcasting to the scores, may require grad (its gradient is the
+    scores' gradient summed over its broadcast dims). Not cast under autocast (it is no sdpa
+    argument; it is added in the op's fp32 compute, so a learned bias keeps its precision). See
+    "CUDA dispatch" for which kernel takes it.
     """
+    if attn_bias is not None:
+        # The bias is checked before autocast so that a bad one is named as the caller passed it.
+        for name, t in (("q", q), ("k", k)):
+            check_float_tensor(t, name, _OP)
+        _check_bias(attn_bias, q, k, is_causal)
+    # sdpa's autocast policy first (mixed q, k, v under autocast are sdpa's normal case: RoPE).
+    q, k, v, attn_mask = autocast_like_sdpa(q, k, v, attn_mask)
     _check_inputs(q, k, v, attn_mask, is_causal)
     p = check_probability(dropout_p, "dropout_p", _OP)
     if not training:
@@ -738,40 +847,60 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
                              or seed.is_complex() or seed.numel() != 1):
         raise TypeError(f"{_OP}: argument 'seed' must be a one-element integer tensor")
 
-    # Decided on the caller's tensors, before the autocast casts below (which keep requires_grad).
-    # Dropout takes the backward's path even without one: a replayed forward draws the same mask.
-    grad = needs_backward(q, k, v, attn_mask) or p > 0.0
+    # requires_grad survives the autocast casts. Dropout takes the backward's path even without
+    # one: a replayed forward draws the same mask.
+    grad = needs_backward(q, k, v, attn_mask, attn_bias) or p > 0.0
     seeded = seed is not None and p > 0.0  # a mask fixed by seed: only the reference op draws it
 
-    if torch.is_autocast_enabled(q.device.type) and q.dtype in _AUTOCAST_ELIGIBLE:
-        # As sdpa under autocast: attention runs in (and returns) the autocast dtype.
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-
     if not grad and not seeded:
-        out = _stock_attention(q, k, v, attn_mask, p, is_causal, scale)
+        out = _stock_attention(q, k, v, _merged_mask(attn_mask, attn_bias), p, is_causal, scale)
         if out is not None:
             return out
     elif _is_cuda(q) and requested_backend() != "reference":
         st = _cuda_state(str(q.device))
-        if _float_mask_takes_reference(attn_mask, p):
+        if attn_bias is not None and _bias_takes_reference(attn_bias, attn_mask, p):
+            _log_fallback_once("an attn_bias with dropout on, that requires grad, or beside an attn_mask runs the "
+                               "reference op (the float-mask rule below; and sdpa would keep the merged "
+                               "(batch, heads, s_q, s_k) mask for backward)")
+        elif _float_mask_takes_reference(attn_mask, p):
             _log_fallback_once("a float attn_mask with dropout on, or one that requires grad, runs the reference op "
                                "(one rule for every pass: a no-grad replay sees the same learned bias without "
                                "requires_grad and must draw the same dropout mask; the fused efficient kernel's "
                                "mask gradient is broken on torch 2.11: pytorch issue 148476)")
         else:
-            backends = _fused_backends(q, k, v, attn_mask, p, is_causal, True, st)
+            mask = attn_mask if attn_bias is None else attn_bias  # here a bias comes alone
+            backends = _fused_backends(q, k, v, mask, p, is_causal, True, st)
             if backends:
                 if seeded:
                     raise ValueError(f"{_OP}: argument 'seed' applies to the reference path only; on CUDA "
                                      f"the fused sdpa kernels draw dropout from torch's CUDA RNG "
                                      f"(use use_backend('reference') to fix the mask by seed)")
-                return _sdpa(q, k, v, _fused_mask(attn_mask, q), p, is_causal, scale, backends)
-            _log_fallback_once(_no_fused_reason(q, v, attn_mask, p, is_causal, st))
+                return _sdpa(q, k, v, _fused_mask(mask, q), p, is_causal, scale, backends)
+            _log_fallback_once(_no_fused_reason(q, v, mask, p, is_causal, st))
 
     seed = _resolve_seed(seed, p, q.device)
-    out, _ = _attention_fwd_op(q, k, v, attn_mask, seed, p, is_causal, scale)
+    out, _ = _attention_fwd_op(q, k, v, attn_mask, seed, p, is_causal, scale, attn_bias)
     return out
+
+
+def _bias_takes_reference(bias: Tensor, mask: Optional[Tensor], p: float) -> bool:
+    """An attn_bias runs the reference op with a backward whenever a float mask would (dropout on,
+    or it requires grad: ``_float_mask_takes_reference``), and beside any attn_mask: sdpa takes one
+    mask, and the merged bias + padding would be (b, h, s_q, s_k), kept by sdpa for backward. A
+    frozen bias alone without dropout is the fused kernels' mask (kept as given: batch-shared)."""
+    return _float_mask_takes_reference(bias, p) or mask is not None
+
+
+def _merged_mask(mask: Optional[Tensor], bias: Optional[Tensor]) -> Optional[Tensor]:
+    """attn_mask and attn_bias as the one mask stock sdpa takes (no backward: a transient of the
+    broadcast shape, as the stock model's own scores + bias + mask)."""
+    if bias is None:
+        return mask
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias, torch.full((), float("-inf"), dtype=bias.dtype, device=bias.device))
+    return bias + mask
 
 
 def _float_mask_takes_reference(mask: Optional[Tensor], p: float) -> bool:
@@ -801,8 +930,8 @@ def _stock_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p:
             _log_fallback_once(_no_fused_reason(q, v, mask, p, is_causal, st) + " and math is disabled")
             return None
         return _sdpa(q, k, v, _fused_mask(mask, q), p, is_causal, scale, backends)
-    # q, k, v are already in the autocast dtype; sdpa under autocast would also cast the mask, and an
-    # fp32 finfo.min would become -inf in fp16 (a fully masked row: 0 instead of uniform).
+    # q, k, v and a float mask are already as sdpa's autocast makes them (autocast_like_sdpa); a
+    # bias merged into the mask keeps its dtype (fp32 or q's: what sdpa takes).
     with torch.autocast(q.device.type, enabled=False):
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
@@ -919,7 +1048,7 @@ def _varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     seed_int = int(seed.item()) if p > 0.0 else 0
     for i, a, b in _bounds(cu_seqlens):
         s_seed = torch.tensor(_sequence_seed(seed_int, i), dtype=torch.int64)
-        gq, gk, gv, _ = _reference_backward(
+        gq, gk, gv, _, _ = _reference_backward(
             _as_sequence(grad_out, a, b), _as_sequence(q, a, b), _as_sequence(k, a, b), _as_sequence(v, a, b),
             _as_sequence(out, a, b), _as_sequence(stats, a, b), None, s_seed, p, is_causal, scale, False)
         dq[a:b], dk[a:b], dv[a:b] = gq[0].transpose(0, 1), gk[0].transpose(0, 1), gv[0].transpose(0, 1)
@@ -1029,6 +1158,7 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     "reference"): a custom op that runs ``efficient_attention``'s tiled forward and backward on each
     sequence (its offsets from ``sequence_facts``).
     """
+    q, k, v = autocast_like_sdpa(q, k, v)  # as efficient_attention: sdpa's autocast policy, then the checks
     _check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, is_causal)
     if min_seqlen is not None:
         if isinstance(min_seqlen, bool) or not isinstance(min_seqlen, int):
@@ -1044,9 +1174,6 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     scale = float(scale)
     grad = needs_backward(q, k, v) or p > 0.0  # dropout: the backward's path, so a replay draws the same mask
     seeded = seed is not None and p > 0.0
-    if torch.is_autocast_enabled(q.device.type) and q.dtype in _AUTOCAST_ELIGIBLE:
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
     if _is_cuda(q) and not seeded and (not grad or requested_backend() != "reference"):
         st = _cuda_state(str(q.device))
@@ -1132,5 +1259,6 @@ class EfficientAttention(nn.Module):
         return f"dropout_p={self.dropout_p}"
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "FUSED_MASK_FLOOR", "EfficientAttention", "SequenceFacts", "attention_keep_mask",
-           "draw_seed", "efficient_attention", "efficient_attention_varlen", "remember_sequences", "sequence_facts"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "FUSED_MASK_FLOOR", "EfficientAttention", "MixedDtypeError", "SequenceFacts",
+           "attention_keep_mask", "autocast_like_sdpa", "draw_seed", "efficient_attention",
+           "efficient_attention_varlen", "remember_sequences", "sequence_facts"]

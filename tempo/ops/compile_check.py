@@ -32,7 +32,10 @@ h = 1024, 4096 when that module exists (skipped, with a printed line, when it do
 DeBERTa's disentangled attention (``tempo.ops.disentangled_attention``: S = 512, head dim 64,
 span 256 with log buckets, S = 64, which compiles the kernels S = 512 runs; padded with a mask
 and varlen; fp32/fp16/bf16; c2p+p2c, c2p only, p2c only, content only; dropout on/off; its
-forward, both backward kernels and the keep-mask kernel).
+forward, both backward kernels and the keep-mask kernel), the gated MLP (``tempo.ops.gated_mlp``:
+I = 3072 and an odd fused 2 × 1001; SiLU, exact and tanh GELU; dropout on/off; fp32/fp16/bf16), and
+RMSNorm (``tempo.ops.rmsnorm``: h = 1024, 4096, 16384; fp32/fp16/bf16; w and 1 + w; with and
+without kept columns, and without a weight; a bf16 input with fp32 weights, output fp32 or bf16).
 About 100 s on 2 cores with an empty triton cache (300 compiles).
 """
 
@@ -367,10 +370,74 @@ def _disentangled_attention_workload(log: Callable[[str], None]) -> None:
         "mask and varlen; fp32/fp16/bf16; c2p+p2c, c2p, p2c, content only; dropout on/off")
 
 
+def _gated_mlp_workload(log: Callable[[str], None]) -> None:
+    import torch
+
+    from tempo.ops.gated_mlp import gated_linear, gated_linear_fused, gated_mlp_keep_mask
+
+    # The kernels see I only as a runtime int (specialized by divisibility by 16) and row strides:
+    # I = 3072 (BERT-base-sized MLPs, Llama-style I's are all multiples of 16) compiles what every
+    # real width runs; I = 1001 the unaligned second half of an odd fused projection. bf16 (the
+    # training dtype): every activation with and without dropout; fp32/fp16: every activation with it.
+    width = 3072
+    cases = [(torch.bfloat16, act, p) for act in ("silu", "gelu", "gelu_tanh") for p in (0.0, 0.1)]
+    cases += [(dtype, act, 0.1) for dtype in (torch.float32, torch.float16) for act in ("silu", "gelu", "gelu_tanh")]
+    for dtype, act, p in cases:
+        gate, up = (torch.randn(2, width, dtype=dtype, requires_grad=True) for _ in range(2))
+        w = torch.randn(16, width, dtype=dtype, requires_grad=True)
+        _backward(gated_linear(gate, up, w, None, act, p=p), gate, up, w)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        h = torch.randn(2, 2 * 1001, dtype=dtype, requires_grad=True)
+        w = torch.randn(16, 1001, dtype=dtype, requires_grad=True)
+        _backward(gated_linear_fused(h, w, None, "silu", gate_first=False, p=0.1), h, w)
+    # Without a weight (a LoRA-wrapped down projection): the backward writes no product.
+    gate, up = (torch.randn(2, width, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    _backward(gated_linear(gate, up, None, activation="silu", p=0.1), gate, up)
+    # fp32 gate and up under bf16 autocast: the product stored in bf16 for the projection.
+    gate, up = (torch.randn(2, width, requires_grad=True) for _ in range(2))
+    w = torch.randn(16, width, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gated_linear(gate, up, w, None, "gelu")
+    _backward(out, gate, up, w)
+    gated_mlp_keep_mask(torch.tensor(1), 2, width, 0.1, "cpu", "triton")
+    log(f"gated_mlp: I = {width} and 1001 (fused, unaligned halves); silu/gelu/gelu_tanh; dropout on/off; "
+        "fp32/fp16/bf16, fp32 under bf16 autocast; with and without a weight")
+
+
+def _rmsnorm_workload(log: Callable[[str], None]) -> None:
+    import torch
+
+    from tempo.ops.rmsnorm import inplace_rmsnorm
+
+    def weight(h, dtype, kept, unit_offset):
+        w = torch.zeros(h, dtype=dtype) if unit_offset else torch.ones(h, dtype=dtype)
+        if kept:  # every 97th w_eff is 0: those columns' x̂ are kept, both kernels take HAS_KEPT
+            w[::97] = -1.0 if unit_offset else 0.0
+        return w.requires_grad_()
+
+    for h in (1024, 4096, 16384):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            # (weight, kept, unit_offset): Llama's w, with kept columns, Gemma's 1 + w (fp32 w_eff in
+            # backward), no weight.
+            for has_weight, kept, unit_offset in ((True, False, False), (True, True, False), (True, True, True),
+                                                  (False, False, False)):
+                x = torch.randn(16, h, dtype=dtype, requires_grad=True)
+                w = weight(h, dtype, kept, unit_offset) if has_weight else None
+                _backward(inplace_rmsnorm(x, h, w, unit_offset=unit_offset), x, w)
+        # Under autocast (fp32 weights): a bf16 input (q/k norms of an autocast projection), output
+        # fp32 (Llama's promotion) or bf16 (Gemma's input dtype).
+        for out_dtype, unit_offset in ((torch.float32, False), (torch.bfloat16, True)):
+            x = torch.randn(16, h, dtype=torch.bfloat16, requires_grad=True)
+            w = weight(h, torch.float32, True, unit_offset)
+            _backward(inplace_rmsnorm(x, h, w, unit_offset=unit_offset, out_dtype=out_dtype), x, w)
+    log("rmsnorm: h = 1024, 4096, 16384; w and 1 + w; with and without kept columns; no weight")
+
+
 # The module each workload exercises (kernels there that no launch reached are reported).
 WORKLOAD_MODULES = {"layernorm": "tempo.ops.layernorm", "gelu": "tempo.ops.gelu", "combined": "tempo.ops.combined",
                     "dropout_add_layernorm": "tempo.ops.dropout_add_layernorm",
-                    "disentangled_attention": "tempo.ops.disentangled_attention"}
+                    "disentangled_attention": "tempo.ops.disentangled_attention", "gated_mlp": "tempo.ops.gated_mlp",
+                    "rmsnorm": "tempo.ops.rmsnorm"}
 
 WORKLOADS: dict[str, Callable[[Callable[[str], None]], None]] = {
     "layernorm": _layernorm_workload,
@@ -378,6 +445,8 @@ WORKLOADS: dict[str, Callable[[Callable[[str], None]], None]] = {
     "combined": _combined_workload,
     "dropout_add_layernorm": _dropout_add_layernorm_workload,
     "disentangled_attention": _disentangled_attention_workload,
+    "gated_mlp": _gated_mlp_workload,
+    "rmsnorm": _rmsnorm_workload,
 }
 
 

@@ -170,7 +170,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # The relative-position index table
 # ----------------------------------------------------------------------------------------------
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    # A SymInt too: a length torch.compile keeps symbolic (a packed batch's longest sequence), so that a
+    # new value is not a new graph.
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
 
 
 def _check_positions(span: object, position_buckets: object, max_relative_positions: object, op: str) -> None:
@@ -233,7 +235,7 @@ def relative_position_index(max_len: int, span: int, position_buckets: int, max_
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    length = max(int(max_len), 1)
+    length = max_len if isinstance(max_len, torch.SymInt) else max(int(max_len), 1)
     key = (length, span, position_buckets, max_relative_positions, device)
     compiling = torch.compiler.is_compiling()
     if not compiling:

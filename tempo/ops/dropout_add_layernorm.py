@@ -14,7 +14,9 @@ storage is shared, one fp32 rstd per row and a 0-d int64 seed (plus the γ/β pa
     raise in the forward naming the layer, as do γ or β on another device than x. Which columns
     are kept is planned as InplaceLayerNorm plans it: once per version of γ and β on the Triton /
     CUDA path, with no host read in a forward whose parameters are unchanged (its docstring,
-    "The plan", including the one write it does not see: ``.data`` outside an optimizer step);
+    "The plan", including the one write it does not see: ``.data`` outside an optimizer step),
+    and handed to the op as an input: under ``torch.compile`` the plan the module holds, checked
+    by the op against the current γ/β (no data-dependent shape in the graph);
   * d(residual) = d(sum);  d(x) = d(sum) · keep / (1 − p), the keep mask regenerated from the seed.
 
 Semantics
@@ -79,11 +81,13 @@ from tempo.ops.layernorm import (
     LayerNormParameters,
     _as_shape,
     _kept_args,
+    call_with_plan,
     check_parameter_devices,
-    kept_columns,
     kept_fake,
     normalize_rows_backward_reference,
     normalize_rows_reference,
+    plan_for_forward,
+    plan_in_forward,
     recovery_inverse,
 )
 
@@ -410,18 +414,20 @@ def _check_op_backend(backend: str, n: int, where: str) -> None:
 
 @torch.library.custom_op("tempo::dropout_add_layernorm_fwd", mutates_args=())
 def dropout_add_layernorm_fwd(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
-                              bias: Optional[Tensor], seed: Tensor, eps: float, p: float, training: bool,
-                              out_dtype: torch.dtype, backend: str,
+                              bias: Optional[Tensor], kept_cols: Tensor, seed: Tensor, eps: float, p: float,
+                              training: bool, out_dtype: torch.dtype, backend: str,
                               name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x, residual contiguous, same shape -> (y of x's shape in out_dtype, rstd [rows] fp32 (fp64
-    when an input is fp64), kept_cols int64 [K], kept_xhat [rows, K] in rstd's dtype). weight/bias
-    have ``normalized_shape``; seed is a 0-d int64 tensor; ``name`` names the layer in errors."""
+    """x, residual contiguous, same shape; ``kept_cols`` int64 [K] the plan (``plan_for_forward``) ->
+    (y of x's shape in out_dtype, rstd [rows] fp32 (fp64 when an input is fp64), the kept columns
+    used, int64 [K] (those of the current γ/β: ``plan_in_forward``), kept_xhat [rows, K] in rstd's
+    dtype). weight/bias have ``normalized_shape``; seed is a 0-d int64 tensor; ``name`` names the
+    layer in errors."""
     n = math.prod(normalized_shape)
     _check_op_backend(backend, n, "tempo::dropout_add_layernorm_fwd")
     dropout = training and p > 0.0
     # γ and β as the op got them (the Parameters themselves, usually): the plan cache knows them by
     # identity, and a view made here, below autograd, would not be tracked as one.
-    kept_cols = kept_columns(weight, bias, out_dtype, n, x.device, name, backend)
+    kept_cols = plan_in_forward(kept_cols, weight, bias, out_dtype, n, x.device, name, backend)
     with torch.autocast(x.device.type, enabled=False):
         if backend == "triton" and x.numel() > 0:
             y, rstd, kept_xhat = _fwd_triton(x, residual, n, weight, bias, seed, eps, p, dropout, out_dtype,
@@ -433,11 +439,11 @@ def dropout_add_layernorm_fwd(x: Tensor, residual: Tensor, normalized_shape: lis
 
 
 @dropout_add_layernorm_fwd.register_fake
-def _(x, residual, normalized_shape, weight, bias, seed, eps, p, training, out_dtype, backend, name):
+def _(x, residual, normalized_shape, weight, bias, kept_cols, seed, eps, p, training, out_dtype, backend, name):
     rows = _rows(x.shape, normalized_shape)
     compute = _compute_dtype(x.dtype, residual.dtype)
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows,), dtype=compute),
-            *kept_fake(rows, x, compute))
+            *kept_fake(rows, kept_cols, x, compute))
 
 
 @torch.library.custom_op("tempo::dropout_add_layernorm_bwd", mutates_args=())
@@ -469,7 +475,7 @@ def _(grad_y, y, rstd, kept_cols, kept_xhat, normalized_shape, weight, bias, see
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, normalized_shape, weight, bias, seed, _eps, p, training, _out_dtype, backend, _name = inputs
+    x, residual, normalized_shape, weight, bias, _plan, seed, _eps, p, training, _out_dtype, backend, _name = inputs
     y, rstd, kept_cols, kept_xhat = output
     # The output, not the inputs: y is the tensor the next layer keeps anyway. No mask: the seed.
     # x̂ only of the columns where y cannot give it back.
@@ -485,7 +491,7 @@ def _backward(ctx, grad_y, _grad_rstd, _grad_cols, _grad_kept):
         grad_y.contiguous(), y, rstd, kept_cols, kept_xhat, ctx.normalized_shape, weight, bias, seed, ctx.p,
         ctx.training, ctx.x_dtype, ctx.residual_dtype, ctx.backend)
     return (dx, dr, None, dw if weight is not None else None, db if bias is not None else None,
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 dropout_add_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -540,7 +546,18 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
     for dtypes and the mask). ``p``/``training`` default as in ``F.dropout``. ``seed`` (a
     one-element integer tensor) fixes the mask; by default one is drawn from torch's RNG.
     ``name`` names the layer in errors (non-finite γ/β). Without a backward and without dropout it runs the stock ops.
+    Under torch.compile this functional form makes its plan from γ/β's values inside the graph (a
+    data-dependent shape: torch.compile may break the graph there, logged once); the module
+    (``DropoutAddLayerNorm``) hands the plan it holds instead and traces without a break.
     """
+    return _dropout_add_layernorm(x, residual, normalized_shape, weight, bias, eps, p, training, seed, name,
+                                  holder=None)
+
+
+def _dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeLike, weight: Optional[Tensor],
+                           bias: Optional[Tensor], eps: float, p: float, training: bool, seed: Optional[Tensor],
+                           name: Optional[str], holder: Optional[nn.Module]) -> Tensor:
+    """``dropout_add_layernorm``; ``holder``: the module whose held plan a compiled forward hands the op."""
     check_float_tensor(x, "x", OP_NAME)
     check_float_tensor(residual, "residual", OP_NAME)
     if residual.shape != x.shape:
@@ -586,13 +603,15 @@ def dropout_add_layernorm(x: Tensor, residual: Tensor, normalized_shape: _ShapeL
         seed = seed.to(device=x.device, dtype=torch.int64).reshape(())
 
     n = math.prod(shape)
-    y, _rstd, _cols, _kept = dropout_add_layernorm_fwd(
-        x.contiguous(), residual.contiguous(), list(shape),
-        # Contiguous parameters (the usual case) pass through without a copy.
-        weight.contiguous() if weight is not None else None,
-        bias.contiguous() if bias is not None else None,
-        seed, float(eps), p, training, out_dtype, _choose_backend(x, residual, n), name or OP_NAME,
-    )
+    # Contiguous parameters (the usual case) pass through without a copy.
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    backend = _choose_backend(x, residual, n)
+    name = name or OP_NAME
+    kept_cols = plan_for_forward(holder, x, weight, bias, out_dtype, n, backend, name)
+    y, _rstd, _cols, _kept = call_with_plan(
+        dropout_add_layernorm_fwd, kept_cols, x.contiguous(), residual.contiguous(), list(shape), weight, bias,
+        kept_cols, seed, float(eps), p, training, out_dtype, backend, name)
     return y
 
 
@@ -624,9 +643,9 @@ class DropoutAddLayerNorm(LayerNormParameters):
         self.dropout.p = check_probability(value, "p", "DropoutAddLayerNorm")
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
-        return dropout_add_layernorm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps,
-                                     float(self.dropout.p), self.dropout.training,
-                                     name=self.tempo_name or type(self).__name__)
+        return _dropout_add_layernorm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps,
+                                      float(self.dropout.p), self.dropout.training, None,
+                                      self.tempo_name or type(self).__name__, holder=self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, p={self.p}"

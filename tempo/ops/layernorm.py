@@ -42,37 +42,57 @@ The plan (which columns are kept, and the finiteness check that rides on it) nee
 the host, which on CUDA is a device-to-host copy that stalls the stream. So on the Triton path and
 on every device but the CPU it is made once per *version* of γ and β and cached
 (``cached_kept_columns``): keyed on the parameter objects (the base of a view, with the view's
-geometry), the output dtype and the device, and valid while no optimizer step has been taken
-since (any ``torch.optim.Optimizer``, counted by torch's global post-step hook, which this module
-registers) and each parameter's version counter, storage pointer and dtype are those it was made
-at. PyTorch bumps the version counter at every in-place write to a tensor or to any view of it:
-``load_state_dict``, ``nn.init``, ``with torch.no_grad(): p.copy_(...)`` / ``p[3] = x`` /
-``p.mul_(...)``, the foreach and single-tensor optimizers; replacing the storage (``p.data = t``,
-``module.half()``, ``module.to(...)``) changes the pointer or dtype. The optimizer hook covers
-what the counter misses inside a step: the fused optimizers (``AdamW(fused=True)``, HF Trainer's
-``adamw_torch_fused``) update in place without bumping it (torch 2.11 and 2.13), and hand-written
-optimizers may write through ``.data``. A forward that finds its plan stale refreshes, in one
-transfer, the plans of every layer on that device: one host read per training step for a whole
-model, none in a forward, a recomputation (activation checkpointing) or an eval pass while the
-parameters stay the same. **What is not seen**: an in-place write outside an optimizer step that
-goes through ``.data`` (``p.data.fill_(...)``: ``.data`` has a version counter of its own) or
-through a fused multi-tensor op called directly; it leaves the plan of the old values in place (a
-column that became unrecoverable would be recovered by division, a non-finite value would not
-raise). After such writes call ``forget_kept_column_plans()``, or write under ``torch.no_grad()``
-without ``.data``.
-The CPU reference path makes the plan at every forward instead (its flags are on the host
-already: no cache that could go stale). Under ``torch.compile`` the op's body runs eagerly, so
-the same cache applies; a compiled graph that hands the op a fresh alias of γ (no ``_base``) only
-misses the cache (a read per forward, as before), it never reuses a wrong plan.
+geometry), the output dtype's λ_D (fp32 and bf16 share one) and the device, and valid while no
+optimizer step has been taken since (any ``torch.optim.Optimizer``, counted by torch's global
+post-step hook, which this module registers) and each parameter's version counter, storage
+pointer and dtype are those it was made at. PyTorch bumps the version counter at every in-place
+write to a tensor or to any view of it: ``load_state_dict``, ``nn.init``, ``with torch.no_grad():
+p.copy_(...)`` / ``p[3] = x`` / ``p.mul_(...)``, the foreach and single-tensor optimizers;
+replacing the storage (``p.data = t``, ``module.half()``, ``module.to(...)``) changes the pointer
+or dtype. The optimizer hook covers what the counter misses inside a step: the fused optimizers
+(``AdamW(fused=True)``, HF Trainer's ``adamw_torch_fused``) update in place without bumping it
+(torch 2.11 and 2.13), and hand-written optimizers may write through ``.data``. A refresh makes,
+in one transfer, the plans of every layer on that device whose γ/β changed: one host read per
+training step for a whole model (in the optimizer hook, below), none in a forward, a
+recomputation (activation checkpointing) or an eval pass while the parameters stay the same.
+**What is not seen**: an in-place write outside an optimizer step that goes through ``.data``
+(``p.data.fill_(...)``: ``.data`` has a version counter of its own) or through a fused
+multi-tensor op called directly; it leaves the plan of the old values in place (a column that
+became unrecoverable would be recovered by division, a non-finite value would not raise). After
+such writes call ``refresh_kept_column_plans(model)`` (or ``forget_kept_column_plans()``), or
+write under ``torch.no_grad()`` without ``.data``. The CPU reference path makes the plan at every
+forward instead (its flags are on the host already: no cache that could go stale).
+
+The plan is an *input* of the forward ops (``kept_cols`` int64 [K]), so the shape of what they
+keep ([rows, K]) is known before the call and ``torch.compile`` traces them without a
+data-dependent shape. Eager, the module makes it right before the call (``tempo::layernorm_plan``,
+cached as above) and the op uses it as it is. Each module also holds the plans of its γ/β per
+output dtype (``tempo_kept_columns``: fp32, bf16, fp16 and the parameters' own; a plain attribute,
+no buffer), made again outside any forward: at construction, ``name_layernorms`` (``apply_tempo``),
+every optimizer step that updates γ/β (the post-step hook: one host read per step on CUDA),
+``load_state_dict``, ``.to()``/``.half()``, and every eager forward. Under ``torch.compile`` the
+module hands the op that held plan, which the graph takes as an input (a change of K recompiles;
+no value of γ/β is read in the graph). The op checks it when it runs against the plan of the
+current γ/β (cached: no host read while unchanged on CUDA): the same K but other columns, it uses
+the current ones; another K means γ/β were written where no refresh point saw it, and it raises a
+RuntimeError naming the layer and ``tempo.refresh_kept_column_plans(model)``: it never computes
+with a wrong plan. The functional ``inplace_layernorm`` has no module to hold a plan: compiled, it
+plans inside the graph (a data-dependent shape; logged once). The same machinery plans
+tempo.ops.rmsnorm's InplaceRMSNorm: the rule with β = None and γ = w, or 1 + w for Gemma's form
+(``weight_offset`` 1, part of the cache key); every module holding plans is a ``KeptColumnPlans``
+and says which parameters they are of (``kept_column_parameters``), so the optimizer hook,
+``name_layernorms`` and ``refresh_kept_column_plans`` reach LayerNorms and RMSNorms alike.
 
 No backward, no cost: when the output cannot reach a backward pass (grad mode off, or neither
 the input nor γ/β requires grad: evaluation under ``torch.no_grad()``/``inference_mode()``) the
 op keeps nothing and runs ``torch.nn.functional.layer_norm`` (output cast to the dtype the Tempo
 path would return).
 
-Contents, in order: the recovery rule, Triton kernels, their host launchers, the PyTorch
-reference path, the ``tempo::layernorm_fwd`` / ``tempo::layernorm_bwd`` custom ops, the
-functional ``inplace_layernorm`` and the ``InplaceLayerNorm`` module.
+Contents, in order: the recovery rule, the plan per parameter version, the plan handed to the
+forward ops (``tempo::layernorm_plan``, the module-held plans, the optimizer hook), Triton kernels,
+their host launchers, the PyTorch reference path, the ``tempo::layernorm_fwd`` /
+``tempo::layernorm_bwd`` custom ops, the functional ``inplace_layernorm`` and the
+``InplaceLayerNorm`` module.
 """
 
 from __future__ import annotations
@@ -116,30 +136,49 @@ _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------------------------
 # Which columns are recovered from y and which are kept (the rule of the module docstring)
 # ----------------------------------------------------------------------------------------------
+def _compute_dtype(weight: Optional[Tensor], bias: Optional[Tensor]) -> torch.dtype:
+    return torch.float64 if any(p is not None and p.dtype == torch.float64 for p in (weight, bias)) \
+        else torch.float32
+
+
+def _unrecoverable(gamma: Tensor, beta: Tensor, tiny: float, compute: torch.dtype) -> Tensor:
+    # The rule: column j is kept when |γ_j| < |β_j| + λ_D.
+    return gamma.to(compute).abs() < beta.to(compute).abs() + tiny
+
+
+def _effective_gamma(weight: Tensor, n: int, offset: float, compute: torch.dtype) -> Tensor:
+    """γ as the forward multiplies by it, flattened to [n]: the weight itself, or ``weight + offset``
+    computed in the compute dtype exactly as the kernels and the reference path compute it
+    (RMSNorm's Gemma form multiplies by 1 + w: ``offset`` 1)."""
+    gamma = weight.detach().reshape(n)
+    return gamma.to(compute) + offset if offset else gamma
+
+
 def unrecoverable_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype,
-                          n: int, device: torch.device) -> Tensor:
+                          n: int, device: torch.device, weight_offset: float = 0.0) -> Tensor:
     """Bool [n]: True where x̂_j cannot be recovered from y_j to (R): |γ_j| < |β_j| + λ_D.
 
-    ``weight``/``bias`` flattened to [n] or None (γ = 1, β = 0). Computed on the device, no sync.
+    ``weight``/``bias`` flattened to [n] or None (γ = 1, β = 0); γ is ``weight + weight_offset``
+    (RMSNorm's (1 + w) form). Computed on the device, no sync.
     """
-    tiny = torch.finfo(out_dtype).tiny
-    compute = torch.float64 if any(p is not None and p.dtype == torch.float64 for p in (weight, bias)) \
-        else torch.float32
-    gamma = weight.detach().to(compute).abs() if weight is not None else torch.ones(n, dtype=compute, device=device)
-    beta = bias.detach().to(compute).abs() if bias is not None else torch.zeros(n, dtype=compute, device=device)
-    return gamma < beta + tiny
+    compute = _compute_dtype(weight, bias)
+    gamma = (_effective_gamma(weight, n, weight_offset, compute) if weight is not None
+             else torch.ones(n, dtype=compute, device=device))
+    beta = bias.detach() if bias is not None else torch.zeros(n, dtype=compute, device=device)
+    return _unrecoverable(gamma, beta, torch.finfo(out_dtype).tiny, compute)
 
 
 def plan_kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
-                      device: torch.device, where: str) -> Tensor:
+                      device: torch.device, where: str, weight_offset: float = 0.0) -> Tensor:
     """int64 [K] on ``device``: the columns whose x̂ the forward keeps (ascending).
 
     Also checks that γ and β are finite, raising a ValueError that names ``where`` (the layer) and
     the first bad column. One host read of n flags (a sync on CUDA); nothing to read without γ/β.
+    ``weight_offset``: γ is ``weight + weight_offset`` (1 for RMSNorm's Gemma form, else 0).
     """
     if weight is None and bias is None:
         return torch.empty((0,), dtype=torch.int64, device=device)
-    code = _column_code(weight, bias, out_dtype, n, device).cpu()
+    code = _column_code(weight, bias, out_dtype, n, device, weight_offset).cpu()
     bad = torch.nonzero(code > 1).flatten()
     if bad.numel():
         _raise_non_finite(where, weight, bias, int(bad[0]), int(code[int(bad[0])]), bad.numel(), n)
@@ -147,15 +186,29 @@ def plan_kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtyp
 
 
 def _column_code(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
-                 device: torch.device) -> Tensor:
+                 device: torch.device, weight_offset: float = 0.0) -> Tensor:
     """uint8 [n] on the device: bit 0 the column is kept, bit 1 γ_j is not finite, bit 2 β_j is not.
-    γ and β of any shape holding n elements (flattened here)."""
-    weight = weight.reshape(n) if weight is not None else None
-    bias = bias.reshape(n) if bias is not None else None
-    code = unrecoverable_columns(weight, bias, out_dtype, n, device).to(torch.uint8)
-    for bit, param in ((2, weight), (4, bias)):
-        if param is not None:
-            code |= (~torch.isfinite(param.detach())).to(torch.uint8) * bit
+    γ and β of any shape holding n elements (flattened here); γ is ``weight + weight_offset``."""
+    return _column_codes([(weight, bias, n, weight_offset)], torch.finfo(out_dtype).tiny,
+                         _compute_dtype(weight, bias), device)
+
+
+def _column_codes(items: list[tuple[Optional[Tensor], Optional[Tensor], int, float]], tiny: float,
+                  compute: torch.dtype, device: torch.device) -> Tensor:
+    """``_column_code`` of several (γ, β, n, weight offset) sharing λ_D (``tiny``) and the compute
+    dtype, concatenated: one pass of a few element-wise kernels over all of them, whatever their number."""
+    one = torch.ones((), dtype=compute, device=device)
+    zero = torch.zeros((), dtype=compute, device=device)
+    gammas = [_effective_gamma(w, n, offset, compute) if w is not None else one.expand(n)
+              for w, _b, n, offset in items]
+    betas = [b.detach().reshape(n) if b is not None else zero.expand(n) for _w, b, n, _offset in items]
+    # torch.cat promotes mixed dtypes; the values (and their finiteness) are unchanged by it.
+    gamma = torch.cat(gammas) if len(gammas) > 1 else gammas[0]
+    beta = torch.cat(betas) if len(betas) > 1 else betas[0]
+    code = _unrecoverable(gamma, beta, tiny, compute).to(torch.uint8)
+    # Absent parameters stand in as 1 and 0: finite, so their bits stay clear.
+    code |= (~torch.isfinite(gamma)).to(torch.uint8) * 2
+    code |= (~torch.isfinite(beta)).to(torch.uint8) * 4
     return code
 
 
@@ -171,14 +224,17 @@ def _raise_non_finite(where: str, weight: Optional[Tensor], bias: Optional[Tenso
 # The plan per parameter version (the Triton / CUDA path): no host read while γ and β are unchanged
 # ----------------------------------------------------------------------------------------------
 class _Plan:
-    """The kept columns (or the non-finite column) of one (γ, β, output dtype) on one device, valid
-    while ``_state`` of γ and β (optimizer steps taken, version counters, storage, dtype) is the
-    ``versions`` it was made at."""
+    """The kept columns (or the non-finite column) of one (γ, β, λ_D, weight offset) on one device,
+    valid while ``_state`` of γ and β (optimizer steps taken, version counters, storage, dtype) is
+    the ``versions`` it was made at. ``out_dtype``: the first output dtype of that λ_D it was made
+    for (fp32 and bf16 share λ_D = 2⁻¹²⁶, so they share a plan). ``offset``: γ is weight + offset
+    (RMSNorm's (1 + w) form: 1; else 0)."""
 
-    __slots__ = ("refs", "shapes", "out_dtype", "n", "device", "versions", "kept_cols", "error")
+    __slots__ = ("refs", "shapes", "out_dtype", "n", "device", "offset", "versions", "kept_cols", "error")
 
-    def __init__(self, refs, shapes, out_dtype, n, device):
+    def __init__(self, refs, shapes, out_dtype, n, device, offset=0.0):
         self.refs, self.shapes, self.out_dtype, self.n, self.device = refs, shapes, out_dtype, n, device
+        self.offset = offset
         self.versions = None  # never made
         self.kept_cols: Optional[Tensor] = None
         self.error: Optional[tuple[int, int, int]] = None  # (column, code, bad columns)
@@ -229,18 +285,11 @@ def _cacheable(*params: Optional[Tensor]) -> bool:
 
 
 # Optimizer steps taken in this process (any torch.optim.Optimizer, through torch's global post-step
-# hook): the fused optimizers (AdamW(fused=True), HF Trainer's "adamw_torch_fused", SGD(fused=True))
-# update parameters in place without bumping their version counters (checked on torch 2.11 and
-# 2.13), and hand-written optimizers may write through .data; a step makes every plan stale.
+# hook, registered below): the fused optimizers (AdamW(fused=True), HF Trainer's "adamw_torch_fused",
+# SGD(fused=True)) update parameters in place without bumping their version counters (checked on
+# torch 2.11 and 2.13), and hand-written optimizers may write through .data; a step makes every
+# plan stale.
 _optimizer_steps = 0
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def _state(roots: tuple[Optional[Tensor], ...]) -> tuple:
@@ -249,6 +298,21 @@ def _state(roots: tuple[Optional[Tensor], ...]) -> tuple:
     do it, is seen too)."""
     return (_optimizer_steps,) + tuple((r._version, r.data_ptr(), r.dtype) if r is not None else None
                                        for r in roots)
+
+
+def _plan_entry(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
+                device: torch.device, offset: float = 0.0) -> _Plan:
+    """The cache entry of (γ = weight + ``offset``, β, λ_D of ``out_dtype``) on ``device``, made (not
+    yet refreshed) when missing. Keyed on the parameters' identities (the base of a view, with the
+    view's geometry), the offset, λ_D, n and the device. Call with ``_plans_lock`` held."""
+    (w_root, w_shape), (b_root, b_shape) = _anchor(weight), _anchor(bias)
+    key = (id(w_root), w_shape, id(b_root), b_shape, float(offset), torch.finfo(out_dtype).tiny, n, device)
+    plan = _plans.get(key)
+    roots = plan.roots() if plan is not None else None
+    if roots is None or roots[0] is not w_root or roots[1] is not b_root:
+        refs = tuple(weakref.ref(r) if r is not None else None for r in (w_root, b_root))
+        plan = _plans[key] = _Plan(refs, (w_shape, b_shape), out_dtype, n, device, float(offset))
+    return plan
 
 
 def _refresh_plans(device: torch.device) -> None:
@@ -271,13 +335,22 @@ def _refresh_plans(device: torch.device) -> None:
             stale.append((plan, params, state))
     if not stale:
         return
+    # Plans sharing λ_D and the compute dtype are flagged in one pass over all their columns.
+    groups: dict[tuple, list] = {}
+    for item in stale:
+        plan, (weight, bias), _state_now = item
+        groups.setdefault((torch.finfo(plan.out_dtype).tiny, _compute_dtype(weight, bias)), []).append(item)
     with torch.no_grad():
-        codes = [_column_code(*params, plan.out_dtype, plan.n, device) for plan, params, _ in stale]
-        host = torch.cat(codes).cpu().numpy()  # the one host read
+        ordered, codes = [], []
+        for (tiny, compute), items in groups.items():
+            codes.append(_column_codes([(w, b, plan.n, plan.offset) for plan, (w, b), _s in items], tiny, compute,
+                                       device))
+            ordered += items
+        code_all = torch.cat(codes) if len(codes) > 1 else codes[0]
+        host = code_all.cpu().numpy()  # the one host read
         start = 0
-        for (plan, _params, state), code in zip(stale, codes):
+        for plan, _params, state in ordered:
             flags = host[start:start + plan.n]
-            start += plan.n
             bad = (flags > 1).nonzero()[0]
             if bad.size:
                 plan.error, plan.kept_cols = (int(bad[0]), int(flags[bad[0]]), int(bad.size)), None
@@ -285,36 +358,33 @@ def _refresh_plans(device: torch.device) -> None:
                 k = int(flags.sum())
                 # The k flagged columns, ascending, on the device without another host read (a
                 # stable sort puts the ones first, in column order).
+                code = code_all[start:start + plan.n]
                 plan.kept_cols = (torch.sort(code, stable=True, descending=True).indices[:k] if k
                                   else torch.empty((0,), dtype=torch.int64, device=device))
                 plan.error = None
             plan.versions = state
+            start += plan.n
 
 
 def cached_kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
-                        device: torch.device, where: str) -> Tensor:
+                        device: torch.device, where: str, weight_offset: float = 0.0) -> Tensor:
     """``plan_kept_columns`` made once per version of γ and β: a forward whose γ and β are unchanged
     since the plan was made reads nothing from the device (module docstring, "The plan").
 
     A miss (a new layer, or γ/β written since: the optimizer step) refreshes the plans of every
     layer on ``device`` whose parameters changed, in one transfer: one host read per training step
-    for all of a model's LayerNorms. Raises as ``plan_kept_columns`` does (non-finite γ or β)."""
+    for all of a model's LayerNorms and RMSNorms. Raises as ``plan_kept_columns`` does (non-finite γ
+    or β)."""
     if (weight is None and bias is None) or not _cacheable(weight, bias):
-        return plan_kept_columns(weight, bias, out_dtype, n, device, where)
+        return plan_kept_columns(weight, bias, out_dtype, n, device, where, weight_offset)
     device = torch.device(device)
-    (w_root, w_shape), (b_root, b_shape) = _anchor(weight), _anchor(bias)
-    key = (id(w_root), w_shape, id(b_root), b_shape, out_dtype, n, device)
     with _plans_lock:
-        plan = _plans.get(key)
-        roots = plan.roots() if plan is not None else None
-        if roots is None or roots[0] is not w_root or roots[1] is not b_root:
-            refs = tuple(weakref.ref(r) if r is not None else None for r in (w_root, b_root))
-            plan = _plans[key] = _Plan(refs, (w_shape, b_shape), out_dtype, n, device)
-        if plan.versions != _state((w_root, b_root)):
+        plan = _plan_entry(weight, bias, out_dtype, n, device, weight_offset)
+        if plan.versions != _state(tuple(_anchor(p)[0] for p in (weight, bias))):
             _refresh_plans(device)
         error, kept = plan.error, plan.kept_cols
     if kept is None and error is None:  # not refreshable (see _refresh_plans): plan this forward alone
-        return plan_kept_columns(weight, bias, out_dtype, n, device, where)
+        return plan_kept_columns(weight, bias, out_dtype, n, device, where, weight_offset)
     if error is not None:
         _raise_non_finite(where, weight, bias, error[0], error[1], error[2], n)
     # A fresh tensor per call (an op's outputs must not alias across calls); nothing to copy when
@@ -325,41 +395,253 @@ def cached_kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dt
 def forget_kept_column_plans() -> None:
     """Drop every cached plan: the next forward of each layer makes its plan again. Needed only
     after writing γ or β through ``.data`` (which has a version counter of its own, so the write is
-    not seen): see the module docstring."""
+    not seen): see the module docstring. (A compiled model also needs
+    ``refresh_kept_column_plans(model)``, which does this for its layers.)"""
     with _plans_lock:
         _plans.clear()
 
 
-def outputs_with_no_kept_columns(func, args: tuple, kwargs: dict) -> Optional[tuple[Tensor, ...]]:
-    """For counting on fake tensors (tempo.memory's ledger, tempo.movement's traces): the outputs of
-    Tempo's LayerNorm forward ops (``tempo.layernorm_fwd``, ``tempo.dropout_add_layernorm_fwd``) as
-    they are with K = 0 kept columns, made with the input's ``new_empty``; None for any other op.
-    Fake γ and β have no values to plan from; K = 0 is what every γ = 1 layer keeps (a checkpoint's
-    near-zero columns add [rows, K] + K, which a count on real tensors shows)."""
-    name = str(func.overloadpacket)
-    if name not in ("tempo.layernorm_fwd", "tempo.dropout_add_layernorm_fwd"):
-        return None
-    bound = dict(zip([a.name for a in func._schema.arguments], args))
-    bound.update(kwargs)
-    x = bound["x"]
-    if name == "tempo.layernorm_fwd":
-        rows = math.prod(x.shape[: x.dim() - bound["normalized_ndim"]])
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    else:
-        rows = math.prod(x.shape[: x.dim() - len(bound["normalized_shape"])])
-        compute = torch.float64 if torch.float64 in (x.dtype, bound["residual"].dtype) else torch.float32
-    return (x.new_empty(x.shape, dtype=bound["out_dtype"]), x.new_empty((rows,), dtype=compute),
-            x.new_empty((0,), dtype=torch.int64), x.new_empty((rows, 0), dtype=compute))
-
-
 def kept_columns(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
-                 device: torch.device, where: str, backend: str) -> Tensor:
+                 device: torch.device, where: str, backend: str, weight_offset: float = 0.0) -> Tensor:
     """The plan a forward uses: cached per parameter version on the Triton path and on any device
     but the CPU (where a host read stalls the stream); made at every forward on the CPU reference
     path, where reading the flags costs nothing and no cache can go stale."""
     if backend == "triton" or torch.device(device).type != "cpu":
-        return cached_kept_columns(weight, bias, out_dtype, n, device, where)
-    return plan_kept_columns(weight, bias, out_dtype, n, device, where)
+        return cached_kept_columns(weight, bias, out_dtype, n, device, where, weight_offset)
+    return plan_kept_columns(weight, bias, out_dtype, n, device, where, weight_offset)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan handed to the forward ops (an input: its length K gives kept_xhat's shape)
+# ----------------------------------------------------------------------------------------------
+# Output dtypes a module holds a plan for: the parameters' own and autocast's (fp32 and bf16 share
+# λ_D, hence one cached plan; fp16's λ_D is 2⁻¹⁴).
+_PLAN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Every Tempo norm module alive (KeptColumnPlans), for the optimizer hook (weak: a dropped model is
+# forgotten).
+_live_modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+class KeptColumnPlans(nn.Module):
+    """What every Tempo norm whose backward reads its output shares (InplaceLayerNorm,
+    DropoutAddLayerNorm, tempo.ops.rmsnorm's InplaceRMSNorm): the kept-column plans of its γ/β, held
+    per output dtype for a compiled forward (``tempo_kept_columns``: output dtype -> int64 [K], a
+    plain attribute: no buffer, no state_dict key, nothing for DDP to broadcast), and its qualified
+    name in its model, which its errors quote (``tempo_name``, set by ``name_layernorms``).
+
+    The plans are made again, outside any forward, at construction (``_hold_kept_column_plans``),
+    ``name_layernorms`` (``apply_tempo``), every optimizer step that updates γ/β, ``load_state_dict``,
+    ``.to()``/``.half()`` and every eager forward; after other writes to γ/β,
+    ``refresh_kept_column_plans(model)``. A subclass says what the plan is of
+    (``kept_column_parameters``)."""
+
+    # The layer's qualified name in its model (name_layernorms), quoted by its errors.
+    tempo_name: Optional[str] = None
+
+    def kept_column_parameters(self) -> tuple[Optional[Tensor], Optional[Tensor], float]:
+        """(weight, bias, weight offset) the forward normalises with: γ = weight + offset, β = bias
+        (None where absent)."""
+        raise NotImplementedError
+
+    def _hold_kept_column_plans(self) -> None:
+        """Called at the end of a subclass's ``__init__``, once its parameters exist."""
+        self.tempo_kept_columns: dict[torch.dtype, Tensor] = {}
+        _live_modules.add(self)
+        _refresh_module_plans([self])
+
+    def __setstate__(self, state) -> None:  # pickle and copy.deepcopy
+        super().__setstate__(state)
+        self.__dict__.setdefault("tempo_kept_columns", {})
+        _live_modules.add(self)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), .cuda(), ...: new storage, dtype or device for γ/β.
+        out = super()._apply(fn, recurse)
+        _refresh_module_plans([self])
+        return out
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        _refresh_module_plans([self])
+
+
+def _refresh_module_plans(modules: Sequence[nn.Module], forget: bool = False) -> None:
+    """Make the plans each module holds (``module.tempo_kept_columns``: output dtype -> int64 [K])
+    those of its current γ and β (``kept_column_parameters``), in one host read per device.
+    ``forget``: re-read γ and β even where their version counters say nothing changed (writes
+    through ``.data``). γ/β without values to plan from (meta, fake, inference tensors) leave no
+    plan; non-finite ones leave the held plan as it was, for the next forward to raise naming the
+    layer."""
+    entries = []
+    with _plans_lock:
+        if forget:  # every cached plan of these γ/β, whatever view of them it was made for
+            roots = {id(_anchor(p)[0]) for m in modules for p in m.kept_column_parameters()[:2] if p is not None}
+            for plan in _plans.values():
+                if any(ref is not None and id(ref()) in roots for ref in plan.refs):
+                    plan.versions = None
+        for module in modules:
+            held = module.tempo_kept_columns
+            weight, bias, offset = module.kept_column_parameters()
+            if (weight is None and bias is None) or not _cacheable(weight, bias):
+                held.clear()  # no γ/β: the forward needs no plan; no values: a compiled forward plans itself
+                continue
+            n = (weight if weight is not None else bias).numel()
+            device = (weight if weight is not None else bias).device
+            dtypes = set(_PLAN_DTYPES) | {p.dtype for p in (weight, bias) if p is not None} | set(held)
+            for dtype in sorted(dtypes, key=str):
+                if not dtype.is_floating_point:
+                    continue
+                entries.append((held, dtype, _plan_entry(weight, bias, dtype, n, device, offset)))
+        for device in {plan.device for _held, _dtype, plan in entries}:
+            _refresh_plans(device)
+        for held, dtype, plan in entries:
+            if plan.kept_cols is not None:
+                held[dtype] = plan.kept_cols
+
+
+def refresh_kept_column_plans(model: nn.Module) -> None:
+    """Re-read γ and β of every Tempo LayerNorm and RMSNorm (``KeptColumnPlans``) under ``model``
+    and make the kept-column plans its layers hold (which a compiled forward reads) theirs: one host
+    read per device.
+
+    Optimizer steps, ``load_state_dict``, ``.to()``/``.half()``, ``apply_tempo`` and every eager
+    forward do this already. Call it after writing γ or β another way (``with torch.no_grad():
+    ln.weight[3] = 0``, ``ln.weight.data.fill_(...)``) before the next compiled forward: a compiled
+    forward that finds its plan out of date with a different number of kept columns raises a
+    RuntimeError naming the layer and this function (it cannot change shapes inside its graph)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"refresh_kept_column_plans: argument 'model' must be an nn.Module, "
+                        f"got {type(model).__name__}")
+    _refresh_module_plans([m for m in model.modules() if isinstance(m, KeptColumnPlans)], forget=True)
+
+
+@torch.compiler.disable  # a compiled optimizer step runs it as plain Python, after its graph
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    """torch's global optimizer post-step hook: every plan is stale now (``_state``), and the plans
+    held by the layers whose γ/β this optimizer steps are made again at once, outside any forward
+    (a compiled forward reads them as graph inputs): one host read per step and device. Not while
+    a CUDA graph is being captured (no host read can happen there): the next forward's check
+    decides then."""
+    global _optimizer_steps
+    _optimizer_steps += 1
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    modules = [m for m in list(_live_modules)
+               if any(p is not None and id(p) in stepped for p in m.kept_column_parameters()[:2])]
+    if modules:
+        _refresh_module_plans(modules)
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+@torch.library.custom_op("tempo::layernorm_plan", mutates_args=())
+def layernorm_plan(weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype, n: int,
+                   backend: str, name: str, weight_offset: float = 0.0) -> Tensor:
+    """int64 [K]: the kept columns of γ/β (flattened to [n], at least one given) for an output in
+    ``out_dtype`` on the path ``backend`` (``kept_columns``); raises naming the layer ``name`` for a
+    non-finite γ or β. γ is ``weight + weight_offset``: LayerNorm's plan is this op with offset 0,
+    RMSNorm's with β = None (and offset 1 for Gemma's (1 + w) form). K depends on the values: a
+    compiled graph cannot hold this op without a data-dependent shape, so modules hand their held
+    plan instead (``plan_for_forward``)."""
+    device = (weight if weight is not None else bias).device
+    return kept_columns(weight, bias, out_dtype, n, device, name, backend, weight_offset)
+
+
+@layernorm_plan.register_fake
+def _(weight, bias, out_dtype, n, backend, name, weight_offset=0.0):
+    k = torch.library.get_ctx().new_dynamic_size(max=n)
+    return (weight if weight is not None else bias).new_empty((k,), dtype=torch.int64)
+
+
+def outputs_with_no_kept_columns(func, args: tuple, kwargs: dict) -> Optional[Tensor]:
+    """For counting on fake tensors (tempo.memory's ledger, tempo.movement's traces): the output of
+    ``tempo.layernorm_plan`` as it is with K = 0 kept columns, made with γ's (or β's) ``new_empty``;
+    None for any other op. Fake γ and β have no values to plan from; K = 0 is what every γ = 1
+    layer keeps (a checkpoint's near-zero columns add [rows, K] + K, which a count on real tensors
+    shows). The forward ops then give their outputs the shapes of that plan."""
+    if str(func.overloadpacket) != "tempo.layernorm_plan":
+        return None
+    bound = dict(zip([a.name for a in func._schema.arguments], args))
+    bound.update(kwargs)
+    like = bound["weight"] if bound["weight"] is not None else bound["bias"]
+    return like.new_empty((0,), dtype=torch.int64)
+
+
+# The plan the caller made for this very forward (eager): the op computes with it as it is.
+_handed_over = threading.local()
+
+
+def call_with_plan(op, kept_cols: Tensor, *args):
+    """``op(*args)``, a forward op taking the plan ``kept_cols`` (from ``plan_for_forward``). Eager, the
+    plan was made for this very call from the current γ/β, and the op is told so (it need not
+    make it again: ``plan_in_forward``); in a compiled graph the op checks it when it runs."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    _handed_over.plan = kept_cols
+    try:
+        return op(*args)
+    finally:
+        _handed_over.plan = None
+
+
+@torch.compiler.disable
+def _log_plan_in_graph_once(name: str, module: bool) -> None:
+    # Outside the graph (a break here costs nothing more: the plan op breaks it anyway).
+    why = ("its module holds no plan for this output dtype and device" if module
+           else "the functional form has no module to hold a plan")
+    log_fallback_once(f"layernorm_plan:{name}:{module}",
+                      f"{name}: under torch.compile the kept-column plan is made from γ/β's values in the "
+                      f"graph ({why}): a data-dependent shape, so torch.compile may break the graph here; "
+                      "call the module (InplaceLayerNorm, DropoutAddLayerNorm, InplaceRMSNorm) to avoid it")
+
+
+def plan_for_forward(holder: Optional[nn.Module], x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                     out_dtype: torch.dtype, n: int, backend: str, name: str, weight_offset: float = 0.0) -> Tensor:
+    """The kept columns (int64 [K]) a Tempo LayerNorm (or RMSNorm: β None, γ = weight + ``weight_offset``)
+    forward hands its op.
+
+    Eager: made now from γ/β (``layernorm_plan``: cached per parameter version on the CUDA path),
+    and stored as the plan ``holder`` (the module, or None) holds. Under torch.compile the module's
+    held plan, which the graph takes as an input (a change of K recompiles): no value of γ/β is read
+    in the graph. The op checks it against the current γ/β when it runs (``plan_in_forward``)."""
+    if weight is None and bias is None:
+        return x.new_empty((0,), dtype=torch.int64)
+    if torch.compiler.is_compiling():
+        held = holder.tempo_kept_columns.get(out_dtype) if holder is not None else None
+        if held is not None and held.device == x.device:
+            return held
+        _log_plan_in_graph_once(name, holder is not None)
+        return torch.ops.tempo.layernorm_plan(weight, bias, out_dtype, n, backend, name, weight_offset)
+    kept = torch.ops.tempo.layernorm_plan(weight, bias, out_dtype, n, backend, name, weight_offset)
+    if holder is not None and type(kept) is Tensor:  # not a fake session's stand-in
+        holder.tempo_kept_columns[out_dtype] = kept
+    return kept
+
+
+def plan_in_forward(kept_cols: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], out_dtype: torch.dtype,
+                    n: int, device: torch.device, name: str, backend: str, weight_offset: float = 0.0) -> Tensor:
+    """Inside a forward op: the columns to keep, as a fresh tensor (an output of the op).
+
+    ``kept_cols`` as it is when the caller made it for this very call (eager, ``call_with_plan``);
+    else (a compiled graph handing a module's held plan) the current plan (``kept_columns``: no
+    host read while γ/β are unchanged on the CUDA path), which must keep as many columns as
+    ``kept_cols``, the shape the graph was traced with. A different count means γ/β were written
+    where no refresh point saw it: a RuntimeError naming the layer and the fix, never a wrong plan."""
+    if weight is None and bias is None:
+        return kept_cols.clone()
+    if getattr(_handed_over, "plan", None) is kept_cols:
+        return kept_cols.clone()
+    current = kept_columns(weight, bias, out_dtype, n, device, name, backend, weight_offset)
+    if current.numel() != kept_cols.numel():
+        raise RuntimeError(
+            f"{name}: this forward was handed a kept-column plan of {kept_cols.numel()} column(s) but γ/β now "
+            f"need {current.numel()} for a {out_dtype} output: they were written where no refresh point saw "
+            f"it (an in-place write under torch.no_grad() or through .data, not an optimizer step, "
+            f"load_state_dict or .to()). A compiled graph cannot change that shape itself: call "
+            f"tempo.refresh_kept_column_plans(model) after such writes, before the next forward")
+    return current
 
 
 def check_parameter_devices(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], where: str) -> None:
@@ -781,24 +1063,27 @@ def _trailing_numel(t: Tensor, ndim: int) -> int:
     return math.prod(t.shape[t.dim() - ndim:])
 
 
-def kept_fake(rows: int, like: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Fake (kept_cols [K], kept_xhat [rows, K]) for a data-dependent K (torch.compile)."""
-    k = torch.library.get_ctx().new_dynamic_size()
-    return like.new_empty((k,), dtype=torch.int64), like.new_empty((rows, k), dtype=dtype)
+def kept_fake(rows: int, kept_cols: Tensor, like: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Fake (kept_cols [K], kept_xhat [rows, K]) of a forward handed the plan ``kept_cols``: K is its
+    length, known before the call (torch.compile traces no data-dependent shape)."""
+    k = kept_cols.shape[0]
+    return kept_cols.new_empty((k,)), like.new_empty((rows, k), dtype=dtype)
 
 
 @torch.library.custom_op("tempo::layernorm_fwd", mutates_args=())
-def layernorm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                  out_dtype: torch.dtype, backend: str, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def layernorm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor],
+                  kept_cols: Tensor, eps: float, out_dtype: torch.dtype, backend: str,
+                  name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x: contiguous, normalized over its last ``normalized_ndim`` dims (N features); weight and bias
-    flattened to [N] -> (y in x's shape and out_dtype, rstd [rows] fp32 (fp64 for fp64 x),
-    kept_cols int64 [K], kept_xhat [rows, K] in rstd's dtype).
+    flattened to [N]; ``kept_cols`` int64 [K] the plan (``plan_for_forward``) -> (y in x's shape and
+    out_dtype, rstd [rows] fp32 (fp64 for fp64 x), the kept columns used, int64 [K] (those of the
+    current γ/β: ``plan_in_forward``), kept_xhat [rows, K] in rstd's dtype).
 
     ``backend`` ("triton" or "reference") is resolved by the caller, so the backward can be told
     the same one; ``name`` names the layer in errors."""
     n = _trailing_numel(x, normalized_ndim)
     _check_op_backend(backend, n, x.dtype, "tempo::layernorm_fwd")
-    kept_cols = kept_columns(weight, bias, out_dtype, n, x.device, name, backend)
+    kept_cols = plan_in_forward(kept_cols, weight, bias, out_dtype, n, x.device, name, backend)
     if backend == "triton" and x.numel() > 0:  # empty: no kernel to launch
         y, rstd, kept_xhat = _layernorm_fwd_triton(x, n, weight, bias, eps, out_dtype, kept_cols)
     else:
@@ -807,11 +1092,11 @@ def layernorm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bia
 
 
 @layernorm_fwd.register_fake
-def _(x, normalized_ndim, weight, bias, eps, out_dtype, backend, name):
+def _(x, normalized_ndim, weight, bias, kept_cols, eps, out_dtype, backend, name):
     rows = math.prod(x.shape[: x.dim() - normalized_ndim])
     compute = _rstd_dtype(x.dtype)
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows,), dtype=compute),
-            *kept_fake(rows, x, compute))
+            *kept_fake(rows, kept_cols, x, compute))
 
 
 @torch.library.custom_op("tempo::layernorm_bwd", mutates_args=())
@@ -836,7 +1121,7 @@ def _(grad_y, y, rstd, kept_cols, kept_xhat, normalized_ndim, weight, bias, x_dt
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    x, normalized_ndim, weight, bias, _eps, _out_dtype, backend, _name = inputs
+    x, normalized_ndim, weight, bias, _plan, _eps, _out_dtype, backend, _name = inputs
     y, rstd, kept_cols, kept_xhat = output
     # The output, not the input: y is the tensor the next layer keeps anyway; x̂ only of the
     # columns where y cannot give it back.
@@ -853,7 +1138,8 @@ def _fwd_backward(ctx, grad_y, _grad_rstd, _grad_cols, _grad_kept):
     y, rstd, kept_cols, kept_xhat, weight, bias = ctx.saved_tensors
     dx, dw, db = torch.ops.tempo.layernorm_bwd(grad_y.contiguous(), y, rstd, kept_cols, kept_xhat,
                                                ctx.normalized_ndim, weight, bias, ctx.x_dtype, ctx.backend)
-    return (dx, None, dw if weight is not None else None, db if bias is not None else None, None, None, None, None)
+    return (dx, None, dw if weight is not None else None, db if bias is not None else None,
+            None, None, None, None, None)
 
 
 layernorm_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -907,12 +1193,23 @@ def inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[
     """LayerNorm over the last ``len(normalized_shape)`` dims whose backward keeps y, rstd and x̂ of
     the columns y cannot give back (the module docstring's rule).
 
+    Under torch.compile this functional form makes its plan from γ/β's values inside the graph (a
+    data-dependent shape: torch.compile may break the graph there, logged once); the modules
+    (``InplaceLayerNorm``) hand the plan they hold instead and trace without a break.
+
     ``out_dtype`` None means: the autocast dtype when autocast is enabled on x's device (and x is
     fp32/fp16/bf16), else x's dtype. Statistics are always computed in fp32 (fp64 for fp64 x).
     A non-contiguous x is copied to a contiguous one first (the copy is not kept for backward).
     ``name`` names the layer in errors (non-finite γ/β). Without a backward (see the module
     docstring) it runs ``F.layer_norm`` and keeps nothing.
     """
+    return _inplace_layernorm(x, normalized_shape, weight, bias, eps, out_dtype, name, holder=None)
+
+
+def _inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[Tensor], bias: Optional[Tensor],
+                       eps: float, out_dtype: Optional[torch.dtype], name: Optional[str],
+                       holder: Optional[nn.Module]) -> Tensor:
+    """``inplace_layernorm``; ``holder``: the module whose held plan a compiled forward hands the op."""
     check_float_tensor(x, "input", OP_NAME)
     shape = _as_shape(normalized_shape)
     if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
@@ -939,18 +1236,14 @@ def inplace_layernorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[
                              bias.to(compute) if bias is not None else None, eps)
         return y.to(dtype)
     n = math.prod(shape)
-    y, _rstd, _cols, _kept = torch.ops.tempo.layernorm_fwd(
-        x.contiguous(),
-        len(shape),
-        # The parameters themselves when 1-D (the usual case; the plan cache knows them by identity),
-        # else views of them: contiguous parameters are never copied.
-        _flat_param(weight, n),
-        _flat_param(bias, n),
-        float(eps),
-        dtype,
-        resolve_layernorm_backend(x, n),
-        name or OP_NAME,
-    )
+    # The parameters themselves when 1-D (the usual case; the plan cache knows them by identity),
+    # else views of them: contiguous parameters are never copied.
+    weight, bias = _flat_param(weight, n), _flat_param(bias, n)
+    backend = resolve_layernorm_backend(x, n)
+    name = name or OP_NAME
+    kept_cols = plan_for_forward(holder, x, weight, bias, dtype, n, backend, name)
+    y, _rstd, _cols, _kept = call_with_plan(torch.ops.tempo.layernorm_fwd, kept_cols, x.contiguous(), len(shape),
+                                            weight, bias, kept_cols, float(eps), dtype, backend, name)
     return y
 
 
@@ -962,17 +1255,16 @@ def _flat_param(param: Optional[Tensor], n: int) -> Optional[Tensor]:
     return param.reshape(n).contiguous()
 
 
-class LayerNormParameters(nn.Module):
+class LayerNormParameters(KeptColumnPlans):
     """What every Tempo LayerNorm module shares with ``nn.LayerNorm``: the constructor, the
     ``weight``/``bias`` parameters (same state_dict keys, so state dicts load in both directions),
-    their initialisation and the repr."""
+    their initialisation and the repr; and, as every ``KeptColumnPlans``, the kept-column plans of
+    its γ/β it holds for a compiled forward (``tempo_kept_columns``)."""
 
     __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
     normalized_shape: tuple[int, ...]
     eps: float
     elementwise_affine: bool
-    # The layer's qualified name in its model (name_layernorms), quoted by its errors.
-    tempo_name: Optional[str] = None
 
     def __init__(self, normalized_shape: _ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None, op: str = OP_NAME) -> None:
@@ -991,6 +1283,10 @@ class LayerNormParameters(nn.Module):
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
         self.reset_parameters()
+        self._hold_kept_column_plans()
+
+    def kept_column_parameters(self) -> tuple[Optional[Tensor], Optional[Tensor], float]:
+        return self.weight, self.bias, 0.0
 
     def reset_parameters(self) -> None:
         if self.elementwise_affine:
@@ -1026,18 +1322,24 @@ class InplaceLayerNorm(LayerNormParameters):
     """
 
     def forward(self, input: Tensor) -> Tensor:
-        return inplace_layernorm(input, self.normalized_shape, self.weight, self.bias, self.eps,
-                                 name=self.tempo_name or type(self).__name__)
+        return _inplace_layernorm(input, self.normalized_shape, self.weight, self.bias, self.eps, None,
+                                  self.tempo_name or type(self).__name__, holder=self)
 
 
 def name_layernorms(root: nn.Module) -> None:
-    """Give every Tempo LayerNorm under ``root`` its qualified name (``encoder.layer.5.output.LayerNorm``),
-    which its errors quote."""
+    """Give every Tempo LayerNorm and RMSNorm (``KeptColumnPlans``) under ``root`` its qualified name
+    (``encoder.layer.5.output.LayerNorm``), which its errors quote, and make the kept-column plans
+    they hold those of their γ/β now (``apply_tempo`` calls it after the swaps, which gave the layers
+    the model's own γ/β)."""
+    modules = []
     for qualified, module in root.named_modules():
-        if isinstance(module, LayerNormParameters):
+        if isinstance(module, KeptColumnPlans):
             module.tempo_name = qualified or type(module).__name__
+            modules.append(module)
+    _refresh_module_plans(modules)
 
 
-__all__ = ["InplaceLayerNorm", "LayerNormParameters", "cached_kept_columns", "forget_kept_column_plans",
-           "inplace_layernorm", "kept_columns", "layernorm_fwd", "layernorm_bwd", "name_layernorms",
-           "plan_kept_columns", "unrecoverable_columns"]
+__all__ = ["InplaceLayerNorm", "KeptColumnPlans", "LayerNormParameters", "cached_kept_columns",
+           "forget_kept_column_plans", "inplace_layernorm", "kept_columns", "layernorm_fwd", "layernorm_bwd",
+           "layernorm_plan", "name_layernorms", "plan_for_forward", "plan_kept_columns",
+           "refresh_kept_column_plans", "unrecoverable_columns"]
