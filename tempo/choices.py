@@ -2,7 +2,7 @@
 
 Every place that lets a user choose reads this module: the trainers' flags (``--tempo``,
 ``--tempo_layers``, ``--attention``), the benchmark's flags (same spelling), the BERT model,
-``apply_tempo``, AutoTempo and the ledger tables. Adding a layer kind or an attention
+``apply_tempo`` and the ledger tables. Adding a layer kind or an attention
 implementation means editing this file and the code that builds the layer, nothing else.
 
 The default, written once (``TempoChoice.default()``): every Tempo layer kind with the efficient
@@ -64,24 +64,22 @@ def parse_kinds(spec: str | Iterable[str], flag: str = "--tempo_layers") -> tupl
 
 @dataclass(frozen=True)
 class TempoChoice:
-    """Which Tempo layers replace the stock ones, and where.
+    """Which Tempo layers replace the stock ones.
 
     gelu: InplaceGelu instead of GELU; layernorm: InplaceLayerNorm instead of LayerNorm;
-    attention: the attention implementation (one of ATTENTIONS); first_layers: apply the layer
-    swaps to the first k Transformer blocks only (None: all of them).
+    attention: the attention implementation (one of ATTENTIONS); dropout_add_layernorm: the fused
+    dropout -> residual add -> LayerNorm. (Where to trade compute for memory, block by block, is
+    the planner's per-block recompute: tempo.plan.)
     """
 
     gelu: bool = False
     layernorm: bool = False
     attention: str = "eager"
-    first_layers: Optional[int] = None
     dropout_add_layernorm: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
             raise ChoiceError(f"unknown attention implementation {self.attention!r}; choose one of {ATTENTIONS}")
-        if self.first_layers is not None and self.first_layers < 0:
-            raise ChoiceError(f"first_layers must be >= 0, got {self.first_layers}")
 
     @classmethod
     def none(cls, attention: str = "eager") -> "TempoChoice":
@@ -150,13 +148,11 @@ class TempoChoice:
     def label(self) -> str:
         if self.is_none:
             return "no tempo" if self.attention == "eager" else f"no tempo, {self.attention} attention"
-        where = "" if self.first_layers is None else f" (first {self.first_layers} layers)"
-        return "+".join(self.kinds) + where
+        return "+".join(self.kinds)
 
     def __str__(self) -> str:
         return (f"TempoChoice(gelu={self.gelu}, layernorm={self.layernorm}, attention={self.attention!r}"
-                + (", dropout_add_layernorm=True" if self.dropout_add_layernorm else "")
-                + (f", first_layers={self.first_layers})" if self.first_layers is not None else ")"))
+                + (", dropout_add_layernorm=True)" if self.dropout_add_layernorm else ")"))
 
 
 __all__ = ["ATTENTIONS", "ChoiceError", "DEFAULT_TEMPO_ATTENTION", "FLOOR_ATTENTION", "LAYER_KINDS", "PAPER_KINDS",

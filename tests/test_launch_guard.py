@@ -120,8 +120,33 @@ def _disentangled_attention(device):
     disentangled_attention_keep_mask(torch.tensor(1, device=device), 1, 1, 8, 0.1, backend="triton")
 
 
+def _rmsnorm(device):
+    from tempo.ops.rmsnorm import inplace_rmsnorm
+
+    # 32 features (the row in registers), 4100 (the chunked backward); a zero weight column kept.
+    for n in (32, 4100):
+        x = torch.randn(3, n, device=device, requires_grad=True)
+        w = torch.ones(n, device=device)
+        w[1] = 0.0
+        w.requires_grad_()
+        _backward(inplace_rmsnorm(x, n, w), x, w)
+
+
+def _gated_mlp(device):
+    from tempo.ops.gated_mlp import gated_linear, gated_linear_fused, gated_mlp_keep_mask
+
+    gate = torch.randn(4, 16, device=device, requires_grad=True)
+    up = torch.randn(4, 16, device=device, requires_grad=True)
+    weight = torch.randn(8, 16, device=device, requires_grad=True)
+    _backward(gated_linear(gate, up, weight, activation="silu", p=0.1), gate, up, weight)
+    h = torch.randn(4, 32, device=device, requires_grad=True)
+    _backward(gated_linear_fused(h, weight, activation="gelu"), h, weight)
+    gated_mlp_keep_mask(torch.tensor(1, device=device), 2, 8, 0.1, device, backend="triton")
+
+
 WORKLOADS = {"layernorm": _layernorm, "gelu": _gelu, "combined": _combined,
-             "dropout_add_layernorm": _dropout_add_layernorm, "disentangled_attention": _disentangled_attention}
+             "dropout_add_layernorm": _dropout_add_layernorm, "disentangled_attention": _disentangled_attention,
+             "rmsnorm": _rmsnorm, "gated_mlp": _gated_mlp}
 
 
 @pytest.mark.parametrize("device", GUARD_DEVICES)

@@ -37,18 +37,18 @@ PYTEST = [sys.executable, "-m", "pytest", "-m", "not slow", "-x", "-q", "-p", "n
 # Test files run first for a mutated file (the most direct ones, fast first); the files that grep finds
 # for the module's name follow (see targeted_tests).
 INTEGRATION = ["test_patch.py", "test_encoders.py", "test_stock_parity.py", "test_hf_padding_free.py",
-               "test_hf_attention_weights.py", "test_patch_floor.py", "test_geglu.py", "test_dropout_replay.py",
-               "test_deberta_efficient.py", "test_sentence_transformers.py", "test_autotempo.py", "test_memory.py",
+               "test_hf_attention_weights.py", "test_patch_floor.py", "test_gated_mlp.py", "test_dropout_replay.py",
+               "test_deberta_efficient.py", "test_sentence_transformers.py", "test_memory.py",
                "test_host_reads.py", "test_exactness.py"]
 FIRST = {
-    "tempo/integrations/autotempo.py": ["test_autotempo.py"],
+    "tempo/plan/confirm.py": ["test_plan_confirm.py"],
     "tempo/integrations/deberta.py": ["test_deberta_efficient.py"],
     "tempo/integrations/hf_attention.py": ["test_hf_padding_free.py", "test_hf_attention_weights.py"],
     "tempo/ops/layernorm.py": ["test_layernorm.py", "test_host_reads.py", "test_dropout_add_layernorm.py",
                                "test_stock_parity.py", "test_patch.py"],
     "tempo/ops/dropout_add_layernorm.py": ["test_dropout_add_layernorm.py", "test_host_reads.py",
                                            "test_stock_parity.py", "test_patch.py"],
-    "tempo/ops/geglu.py": ["test_geglu.py", "test_stock_parity.py", "test_host_reads.py", "test_encoders.py"],
+    "tempo/ops/gated_mlp.py": ["test_gated_mlp.py", "test_stock_parity.py", "test_host_reads.py", "test_encoders.py"],
     "tempo/ops/attention.py": ["test_attention_varlen.py", "test_attention_dispatch.py",
                                "test_efficient_attention.py", "test_host_reads.py", "test_dropout_replay.py",
                                "test_unpad_layout.py", "test_unpad_model.py", "test_hf_padding_free.py"],
@@ -71,7 +71,7 @@ GREP = {
     "tempo/integrations/": ["apply_tempo", "tempo.integrations", "hf_attention", "revert_tempo"],
     "tempo/ops/layernorm.py": ["layernorm", "LayerNorm"],
     "tempo/ops/dropout_add_layernorm.py": ["dropout_add_layernorm", "DropoutAddLayerNorm"],
-    "tempo/ops/geglu.py": ["geglu", "Geglu"],
+    "tempo/ops/gated_mlp.py": ["gated_linear", "GatedMLP"],
     "tempo/ops/attention.py": ["tempo.ops.attention", "efficient_attention", "EfficientAttention"],
     "tempo/ops/combined.py": ["combined", "Combined"],
     "tempo/ops/disentangled_attention.py": ["disentangled_attention"],

@@ -7,7 +7,8 @@
   ops        each Tempo layer alone vs eager PyTorch and torch.compile, with GB/s
   profile    torch.profiler over a few train steps: GEMM vs memory-bound share, top kernels
   report     PNG plots and a markdown table from a results directory
-  gpu-suite  everything a GPU must confirm, one command (tests, ops, layer, train, max-batch, SQuAD)
+  gpu-suite  the GPU check, one command: the quick plan (at most 7 minutes: correctness, memory, speed,
+             largest batch; tempo/bench/gpu_quick.py) or --full (25 minutes: tests, ops, layer, train, ...)
   compare    model variants (Tempo choices, unpadded) timed alternately in one process: train or predict
 
 Exit status: 0 ok, 1 bad configuration (or no GPU for gpu-suite), 2 a max-batch probe failed for
@@ -31,7 +32,7 @@ SUBCOMMANDS = {
     "ops": ("tempo.bench.ops_bench", "each Tempo op vs eager and compiled PyTorch"),
     "profile": ("tempo.bench.profile", "torch.profiler over train steps"),
     "report": ("tempo.bench.report", "plots and markdown from a results directory"),
-    "gpu-suite": ("tempo.bench.gpu_suite", "the whole GPU check, results/<gpu>/<time>/summary.md"),
+    "gpu-suite": ("tempo.bench.gpu_suite", "the GPU check (quick, or --full), results/<gpu>/<time>/summary.md"),
     "compare": ("tempo.bench.compare", "model variants timed alternately in one process"),
 }
 

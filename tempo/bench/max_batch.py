@@ -26,7 +26,7 @@ import sys
 from dataclasses import asdict
 from typing import Callable
 
-# OOM_MARKERS/is_oom_output: one rule for "did not fit", shared with AutoTempo's probes.
+# OOM_MARKERS/is_oom_output: one rule for "did not fit", shared with tempo.plan.confirm's probes.
 from tempo.train.max_batch import OOM_MARKERS, ProbeError, SearchError, is_oom_output, search_max_batch  # noqa: F401
 
 

@@ -37,6 +37,7 @@ and removes the hooks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -59,10 +60,11 @@ class _Recompute:
     """Stands for a saved tensor backward can make again: ``module`` applied to ``source`` (a tensor,
     or another _Recompute), under the autocast state the forward ran with."""
 
-    __slots__ = ("module", "source", "autocast", "value")
+    __slots__ = ("module", "source", "autocast", "modes", "value")
 
     def __init__(self, module: nn.Module, source: Any, autocast: tuple) -> None:
         self.module, self.source, self.autocast, self.value = module, source, autocast, None
+        self.modes = _FunctionModes()
 
     def tensor(self) -> torch.Tensor:
         if self.value is None:
@@ -71,7 +73,8 @@ class _Recompute:
             # With grad, as the forward ran: Tempo's layers take their training path only when a
             # backward can follow (without one they run the stock op, rounded differently). The
             # graph this builds is dropped at once.
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+            with self.modes, torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                                                  cache_enabled=cache):
                 self.value = self.module(source.detach().requires_grad_(source.is_floating_point())).detach()
         return self.value
 
@@ -213,7 +216,7 @@ class RecomputedBlock(nn.Module):
             return original_forward(*args, **kwargs)
         if mode == "full":
             return checkpoint(original_forward, *args, use_reentrant=False, preserve_rng_state=True,
-                              **_without_cache(self, kwargs))
+                              context_fn=_same_function_modes, **_without_cache(self, kwargs))
         records = _Records()
 
         def pack(t: torch.Tensor) -> Any:
@@ -227,6 +230,31 @@ class RecomputedBlock(nn.Module):
                 return original_forward(*args, **kwargs)
         finally:
             _active.records = outer
+
+
+def _same_function_modes() -> tuple:
+    """checkpoint's (forward, recompute) contexts: the recomputation runs under the torch function
+    modes the forward ran under (the autograd engine does not carry them into backward; tempo.plan's
+    fake traces take CUDA's decisions through one)."""
+    return contextlib.nullcontext(), _FunctionModes()
+
+
+class _FunctionModes:
+    """Re-enters, innermost last, the torch function modes active where it was made."""
+
+    def __init__(self) -> None:
+        self.modes = list(torch.overrides._get_current_function_mode_stack())
+        self._stack: Optional[contextlib.ExitStack] = None
+
+    def __enter__(self) -> "_FunctionModes":
+        self._stack = contextlib.ExitStack()
+        for mode in self.modes:
+            self._stack.enter_context(mode)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._stack is not None
+        self._stack.__exit__(*exc)
 
 
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")

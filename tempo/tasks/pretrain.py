@@ -8,6 +8,14 @@ Flags follow NVIDIA DeepLearningExamples' run_pretraining.py, so existing launch
 differences worth knowing:
   * ``--train_batch_size`` is per GPU per optimizer step, split into
     ``--gradient_accumulation_steps`` micro-batches (as DLE).
+  * ``--max_tokens N`` replaces ``--train_batch_size``: each micro-batch holds whole sequences up
+    to N tokens per GPU (real tokens with ``--unpad``, the padded batch with ``--no-unpad``;
+    ``--token_batching bucket|pack``; tempo/bert/data/token_budget.py), every sequence of a shard
+    once per epoch; ``--max_tokens auto`` asks the planner (tempo.plan). The loss keeps its
+    normalisation for any micro-batch sizes: a step's loss is the MLM mean over all of the step's
+    masked tokens plus the NSP mean over all of its sequences, on every rank together (each
+    micro-batch's loss is weighted by its share of them; ``token_budget.loss_weights``), as one batch
+    of all those sequences gives. Each step logs its sequences, real and padded tokens.
   * ``--init_checkpoint`` loads weights on its own (HF safetensors, DLE .pt, or one of our
     checkpoints); it no longer needs ``--resume_from_checkpoint``.
   * ``--resume_from_checkpoint`` with no checkpoint in output_dir warns and starts fresh.
@@ -42,11 +50,15 @@ from tempo.train.checkpointing import install_sigterm_handler, save_checkpoint
 from tempo.train.dllog import JsonLogger
 from tempo.train.flags import (
     add_tempo_flags,
+    add_token_budget_flags,
     add_training_flags,
+    check_max_tokens,
     non_negative_number,
+    planned_max_tokens,
     positive_number,
     proportion,
     tempo_choice_from_args,
+    token_budget_from_args,
 )
 from tempo.train.optim import PolyWarmUpScheduler, bert_param_groups, make_optimizer
 from tempo.train.runtime import (
@@ -119,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps left out of the throughput figure (default: 10%% of the run, at least 1)")
     add_training_flags(p, nonfinite_flag=True)
     add_tempo_flags(p)
+    add_token_budget_flags(p)
     add_gelu_approximate_flag(p)
     return p
 
@@ -134,9 +147,13 @@ def validate_args(args: argparse.Namespace, config: Any) -> None:
                  "max_predictions_per_seq", "num_steps_per_checkpoint"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.train_batch_size % args.gradient_accumulation_steps:
+    if args.max_tokens is None and args.train_batch_size % args.gradient_accumulation_steps:
         raise UsageError(f"--train_batch_size {args.train_batch_size} is not divisible by "
                          f"--gradient_accumulation_steps {args.gradient_accumulation_steps}")
+    if args.max_tokens is not None and args.synthetic_data:
+        raise UsageError("--max_tokens needs --input_dir: --synthetic_data batches are full-length rows of a "
+                         "fixed batch size (pass --train_batch_size)")
+    check_max_tokens(args, args.max_seq_length)
     if args.max_seq_length > config.max_position_embeddings:
         raise UsageError(f"--max_seq_length {args.max_seq_length} exceeds max_position_embeddings "
                          f"{config.max_position_embeddings} of {args.config_file}")
@@ -157,7 +174,12 @@ def validate_args(args: argparse.Namespace, config: Any) -> None:
 
 
 def make_batches(args: argparse.Namespace, config: Any, rt: Runtime):
-    micro_batch = args.train_batch_size // args.gradient_accumulation_steps
+    """The stream of micro-batches: ``--train_batch_size / --gradient_accumulation_steps`` sequences
+    each, or (``args.max_tokens``, a number by now) whole sequences up to that many tokens."""
+    if args.max_tokens is not None:
+        micro_batch, token_budget = None, token_budget_from_args(args, args.max_tokens)
+    else:
+        micro_batch, token_budget = args.train_batch_size // args.gradient_accumulation_steps, None
     if args.synthetic_data:
         from tempo.bert.data.synthetic import SyntheticPretrainingBatches
 
@@ -169,7 +191,8 @@ def make_batches(args: argparse.Namespace, config: Any, rt: Runtime):
                               world_size=rt.world_size, num_workers=args.num_workers,
                               max_seq_length=args.max_seq_length,
                               max_predictions_per_seq=args.max_predictions_per_seq,
-                              vocab_size=config.vocab_size, type_vocab_size=config.type_vocab_size)
+                              vocab_size=config.vocab_size, type_vocab_size=config.type_vocab_size,
+                              token_budget=token_budget)
 
 
 def _restore(args, model, optimizer, scheduler, scaler, batches) -> tuple[int, Path | None, bool]:
@@ -236,10 +259,37 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def pretraining_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
-    """A DLE batch through BertForPreTraining: the output carries loss and mlm_loss."""
-    return model(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
-                 attention_mask=batch["input_mask"], masked_lm_positions=batch["masked_lm_positions"],
-                 masked_lm_labels=batch["masked_lm_labels"], next_sentence_labels=batch["next_sentence_labels"])
+    """A DLE batch through BertForPreTraining: the output carries loss and mlm_loss. A batch with
+    ``loss_weights`` ([MLM weight, NSP weight], see ``weigh_micro_batches``) gets its MLM and NSP
+    means scaled by them."""
+    out = model(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
+                attention_mask=batch["input_mask"], masked_lm_positions=batch["masked_lm_positions"],
+                masked_lm_labels=batch["masked_lm_labels"], next_sentence_labels=batch["next_sentence_labels"])
+    weights = batch.get("loss_weights")
+    if weights is None:
+        return out
+    mlm_loss, nsp_loss = out.mlm_loss * weights[0], out.nsp_loss * weights[1]
+    return out._replace(loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss)
+
+
+def weigh_micro_batches(micro_batches: list[dict[str, torch.Tensor]], rt: Runtime) -> None:
+    """Token-budget micro-batches differ in size: give each its ``loss_weights`` so that the step's
+    loss is the MLM mean over all the step's masked tokens plus the NSP mean over all its sequences,
+    over every rank (one all-reduce of two counts per step under DDP)."""
+    from tempo.bert.data.token_budget import loss_weights
+
+    masked = [int((b["masked_lm_labels"] >= 0).sum()) for b in micro_batches]  # host tensors: no sync
+    sequences = [len(b["next_sentence_labels"]) for b in micro_batches]
+    totals = [sum(masked), sum(sequences)]
+    if rt.distributed:
+        summed = torch.tensor(totals, dtype=torch.float64, device=rt.device)
+        torch.distributed.all_reduce(summed)
+        totals = summed.tolist()
+    k = len(micro_batches)
+    mlm = loss_weights(masked, totals[0], k, rt.world_size)
+    nsp = loss_weights(sequences, totals[1], k, rt.world_size)
+    for batch, w_mlm, w_nsp in zip(micro_batches, mlm, nsp):
+        batch["loss_weights"] = torch.tensor([w_mlm, w_nsp], dtype=torch.float32)
 
 
 def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
@@ -253,6 +303,8 @@ def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
                                    base_lr=args.learning_rate)
 
     scheduler = new_schedule()
+    if args.max_tokens == "auto":
+        _plan_max_tokens(args, model, rt, precision)
     train_step = TrainStep(model, optimizer, pretraining_loss, precision, rt.device, scheduler=scheduler,
                            max_grad_norm=args.max_grad_norm, train_model=wrap_ddp(model, rt),
                            distributed=rt.distributed, track=("mlm_loss",), on_nonfinite=args.on_nonfinite,
@@ -271,6 +323,18 @@ def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
     return model, optimizer, scheduler, train_step, batches, step, resumed_from
 
 
+def _plan_max_tokens(args: argparse.Namespace, model: torch.nn.Module, rt: Runtime, precision: str) -> None:
+    """--max_tokens auto: the planner's tokens per step, for the lengths of the first shard."""
+    from tempo.bert.data.pretraining_dataset import list_shards
+    from tempo.bert.data.token_budget import shard_lengths
+
+    args.max_tokens = planned_max_tokens(model, shard_lengths(list_shards(args.input_dir)[0]), rt.device, precision,
+                                         args.optimizer, args.memory_budget)
+    check_max_tokens(args, args.max_seq_length)
+    if rt.is_main:
+        print(f"{PROG}: --max_tokens auto: {args.max_tokens} tokens per micro-batch (tempo.plan)")
+
+
 def _train(args: argparse.Namespace, config: BertConfig, precision: str, rt: Runtime) -> dict[str, Any]:
     if rt.is_main:
         check_output_dir(args.output_dir)
@@ -286,6 +350,10 @@ def _train(args: argparse.Namespace, config: BertConfig, precision: str, rt: Run
                            "torch": torch.__version__, "resumed_from": str(resumed_from) if resumed_from else None})
         print(f"{PROG}: {config.num_hidden_layers} layers, h={config.hidden_size}, {precision}, {choice}, "
               f"device {rt.device}, world size {rt.world_size}, starting at step {step}")
+        if args.max_tokens is not None:
+            counted = "real" if args.unpad else "padded"
+            print(f"{PROG}: micro-batches of whole sequences up to {args.max_tokens} {counted} tokens per GPU "
+                  f"({args.token_batching}; --train_batch_size unused), {args.gradient_accumulation_steps} per step")
 
     steps_left = args.max_steps - step
     if args.steps_this_run > 0:
@@ -320,7 +388,8 @@ def _train(args: argparse.Namespace, config: BertConfig, precision: str, rt: Run
         "precision": precision,
         "tempo_options": str(choice),
         "skipped_steps": train_step.skipped_steps,
-        "micro_batch_size": args.train_batch_size // args.gradient_accumulation_steps,
+        "micro_batch_size": None if args.max_tokens else args.train_batch_size // args.gradient_accumulation_steps,
+        "max_tokens": args.max_tokens,
         "activation_bytes_per_micro_batch": train_step.activation_bytes,
         "stopped_by_sigterm": bool(stop.requested),
         **peak_memory_bytes(rt.device),
@@ -349,8 +418,13 @@ def _loop(args, rt, train_step, batches, step, steps_left, excluded, logger, che
     clock = StepClock(rt.device, excluded)
     train_step.model.train()
     while clock.steps < steps_left:
+        rt.follow_load()  # CPU: torch's threads follow the cores other work leaves free
         clock.begin_step()
-        out = train_step([next(data_iter) for _ in range(args.gradient_accumulation_steps)])
+        micro_batches = [next(data_iter) for _ in range(args.gradient_accumulation_steps)]
+        padded_tokens = sum(b["input_ids"].numel() for b in micro_batches)
+        if args.max_tokens is not None:
+            weigh_micro_batches(micro_batches, rt)
+        out = train_step(micro_batches)
         clock.end_step(out.samples * rt.world_size, out.tokens * rt.world_size)
         step += 1
         if clock.steps % log_every == 0 or clock.steps == steps_left:
@@ -358,10 +432,13 @@ def _loop(args, rt, train_step, batches, step, steps_left, excluded, logger, che
             losses.append(loss_value)
             if rt.is_main:
                 logger.log(step, {"loss": loss_value, "mlm_loss": out.extras["mlm_loss"].item(),
-                                  "learning_rate": out.lr, "step_time_s": clock.step_times[-1]})
+                                  "learning_rate": out.lr, "step_time_s": clock.step_times[-1],
+                                  "sequences": out.samples, "real_tokens": out.tokens,
+                                  "padded_tokens": padded_tokens})
                 progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{out.lr:.2e}")
                 if args.disable_progress_bar:
                     print(f"step {step}/{args.max_steps} | loss {loss_value:.4f} | lr {out.lr:.3e} | "
+                          f"{out.samples} seq, {out.tokens} real / {padded_tokens} padded tokens | "
                           f"{clock.step_times[-1] * 1000:.0f} ms")
         progress.update(1)
         if step % args.num_steps_per_checkpoint == 0:

@@ -11,6 +11,13 @@ differences worth knowing:
   * ``--init_checkpoint`` takes a HF safetensors file/folder, a DLE .pt, a run_pretraining.py
     checkpoint folder (ckpt_N) or its output_dir (the latest checkpoint is used).
   * ``--max_steps`` > 0 overrides ``--num_train_epochs`` (the data repeats as needed).
+  * ``--max_tokens N`` replaces ``--train_batch_size``: each micro-batch holds whole windows up to
+    N tokens per GPU (real tokens with ``--unpad``, the padded batch with ``--no-unpad``;
+    ``--token_batching bucket|pack``; tempo/bert/data/token_budget.py), every window once per
+    epoch (steps per epoch: those of the first epoch); ``--max_tokens auto`` asks the planner
+    (tempo.plan). A step's loss stays the mean over all of its windows, on every rank together,
+    whatever the micro-batch sizes (each micro-batch's loss weighted by its share of the windows;
+    ``token_budget.loss_weights``). Each logged step has its sequences, real and padded tokens.
   * ``--do_lower_case`` defaults from ``--bert_model`` (``*-cased`` -> off), else on; pass
     ``--no-do_lower_case`` for cased vocabularies.
   * Scoring runs in-process whenever the predict file has answers (``--do_eval`` is implied;
@@ -44,12 +51,16 @@ from tqdm import tqdm
 from tempo.train.dllog import JsonLogger
 from tempo.train.flags import (
     add_tempo_flags,
+    add_token_budget_flags,
     add_training_flags,
+    check_max_tokens,
     finite_number,
     non_negative_number,
+    planned_max_tokens,
     positive_number,
     proportion,
     tempo_choice_from_args,
+    token_budget_from_args,
 )
 from tempo.train.optim import LinearWarmUpScheduler, bert_param_groups, make_optimizer
 from tempo.train.runtime import (
@@ -126,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_workers", type=int, default=2, help="data-loader worker processes")
     add_training_flags(p, nonfinite_flag=True)
     add_tempo_flags(p)
+    add_token_budget_flags(p)
     from tempo.bert.config import add_gelu_approximate_flag
 
     add_gelu_approximate_flag(p)
@@ -183,9 +195,11 @@ def resolve_args(args: argparse.Namespace) -> None:
                  "doc_stride", "max_query_length", "n_best_size", "max_answer_length", "log_freq"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.train_batch_size % args.gradient_accumulation_steps:
+    if args.max_tokens is None and args.train_batch_size % args.gradient_accumulation_steps:
         raise UsageError(f"--train_batch_size {args.train_batch_size} is not divisible by "
                          f"--gradient_accumulation_steps {args.gradient_accumulation_steps}")
+    if args.do_train:
+        check_max_tokens(args, args.max_seq_length)
     if args.max_query_length + 3 >= args.max_seq_length:
         raise UsageError(f"--max_seq_length {args.max_seq_length} leaves no room for the context after "
                          f"--max_query_length {args.max_query_length} and 3 special tokens")
@@ -239,18 +253,58 @@ def save_finetuned(model: torch.nn.Module, config: Any, vocab_file: str, output_
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
-def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: Runtime, precision: str,
-          logger: JsonLogger) -> dict[str, Any]:
-    micro_batch = args.train_batch_size // args.gradient_accumulation_steps
+def _train_loader(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: Runtime,
+                  precision: str) -> tuple[torch.utils.data.DataLoader, Any]:
+    """(loader, the sampler to set_epoch under DDP or with --max_tokens, else None): micro-batches of
+    ``--train_batch_size / --gradient_accumulation_steps`` windows, or of whole windows up to
+    ``--max_tokens`` tokens, cut to their longest."""
     dataset = _tensors(features, ("input_ids", "segment_ids", "input_mask", "start_positions", "end_positions"))
+    common = dict(num_workers=args.num_workers, pin_memory=rt.device.type == "cuda",
+                  persistent_workers=args.num_workers > 0)
+    if args.max_tokens is not None:
+        from tempo.bert.data.token_budget import TokenBudgetBatchSampler, TrimPadding, mask_lengths
+
+        lengths = mask_lengths(features.input_mask)
+        if args.max_tokens == "auto":
+            optimizer = "adamw_fused" if rt.device.type == "cuda" else "adamw"  # as train() makes it
+            args.max_tokens = planned_max_tokens(model, lengths, rt.device, precision, optimizer, args.memory_budget)
+            check_max_tokens(args, args.max_seq_length)
+            if rt.is_main:
+                print(f"{PROG}: --max_tokens auto: {args.max_tokens} tokens per micro-batch (tempo.plan)")
+        budget = token_budget_from_args(args, args.max_tokens)
+        batches = TokenBudgetBatchSampler.from_budget(lengths, budget, seed=args.seed, num_replicas=rt.world_size,
+                                                      rank=rt.rank)
+        collate = TrimPadding((0, 1, 2), 2, budget.pad_to_multiple_of)  # input_ids, segment_ids, input_mask
+        return torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=collate, **common), batches
     if rt.distributed:
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=rt.world_size, rank=rt.rank,
                                                       shuffle=True, seed=args.seed)
     else:
         sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
-                                         num_workers=args.num_workers, pin_memory=rt.device.type == "cuda",
-                                         persistent_workers=args.num_workers > 0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.train_batch_size // args.gradient_accumulation_steps,
+                                         sampler=sampler, **common)
+    return loader, sampler if rt.distributed else None
+
+
+def weigh_micro_batches(micro_batches: list[list[torch.Tensor]], rt: Runtime) -> list[tuple[torch.Tensor, ...]]:
+    """Token-budget micro-batches differ in size: each gets a loss weight (a sixth element) so that
+    the step's loss is the mean over all the step's windows, over every rank (one all-reduce of a
+    count per step under DDP). Every window counts: its answer lies inside it or at [CLS] (0)."""
+    from tempo.bert.data.token_budget import loss_weights
+
+    sequences = [len(b[0]) for b in micro_batches]
+    total = float(sum(sequences))
+    if rt.distributed:
+        summed = torch.tensor([total], dtype=torch.float64, device=rt.device)
+        torch.distributed.all_reduce(summed)
+        total = summed.item()
+    weights = loss_weights(sequences, total, len(micro_batches), rt.world_size)
+    return [(*b, torch.tensor(w, dtype=torch.float32)) for b, w in zip(micro_batches, weights)]
+
+
+def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: Runtime, precision: str,
+          logger: JsonLogger) -> dict[str, Any]:
+    loader, epoch_sampler = _train_loader(args, model, features, rt, precision)
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(steps_per_epoch * args.num_train_epochs)
 
@@ -265,20 +319,28 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
     seed_everything(args.seed + 1000 * rt.rank)  # dropout streams differ per rank
 
     if rt.is_main:
-        print(f"{PROG}: training on {len(features)} windows, {total_steps} steps of {args.train_batch_size} "
-              f"x {rt.world_size} sequences ({steps_per_epoch} steps per epoch)")
+        per_step = (f"up to {args.max_tokens} {'real' if args.unpad else 'padded'} tokens x "
+                    f"{args.gradient_accumulation_steps} micro-batches ({args.token_batching}; "
+                    "--train_batch_size unused)" if args.max_tokens is not None
+                    else f"{args.train_batch_size} sequences")
+        print(f"{PROG}: training on {len(features)} windows, {total_steps} steps of {per_step} x {rt.world_size} "
+              f"GPU(s) ({steps_per_epoch} steps per epoch)")
     progress = tqdm(total=total_steps, desc="fine-tuning", unit="step", dynamic_ncols=True,
                     disable=args.disable_progress_bar or not rt.is_main)
-    micro_batches = _endless(loader, sampler if rt.distributed else None)
+    micro_batches = _endless(loader, epoch_sampler)
     loss_sum = torch.zeros((), device=rt.device)
     last_loss = float("nan")
     sequences = 0
     clock = StepClock(rt.device, default_excluded_steps(total_steps))
     model.train()
     for step in range(1, total_steps + 1):
+        rt.follow_load()  # CPU: torch's threads follow the cores other work leaves free
         clock.begin_step()
         micro = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
         tokens = sum(int(batch[2].count_nonzero()) for batch in micro)  # input_mask, on the host
+        padded_tokens = sum(batch[0].numel() for batch in micro)
+        if args.max_tokens is not None:
+            micro = weigh_micro_batches(micro, rt)
         out = train_step(micro)
         clock.end_step(out.samples * rt.world_size, tokens * rt.world_size)
         sequences += out.samples * rt.world_size
@@ -286,10 +348,12 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
         if step % args.log_freq == 0 or step == total_steps:
             last_loss = mean_over_ranks(out.loss, rt)  # a sync: only on log steps
             if rt.is_main:
-                logger.log(step, {"loss": last_loss, "learning_rate": out.lr})
+                logger.log(step, {"loss": last_loss, "learning_rate": out.lr, "sequences": out.samples,
+                                  "real_tokens": tokens, "padded_tokens": padded_tokens})
                 progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{out.lr:.2e}")
                 if args.disable_progress_bar:
-                    print(f"step {step}/{total_steps} | loss {last_loss:.4f} | lr {out.lr:.3e}")
+                    print(f"step {step}/{total_steps} | loss {last_loss:.4f} | lr {out.lr:.3e} | {out.samples} seq, "
+                          f"{tokens} real / {padded_tokens} padded tokens")
         progress.update(1)
     progress.close()
     clock.stop()
@@ -308,13 +372,16 @@ def train(args: argparse.Namespace, model: torch.nn.Module, features: Any, rt: R
 
 
 def squad_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
-    input_ids, segment_ids, input_mask, start, end = batch
-    return model(input_ids=input_ids.long(), token_type_ids=segment_ids.long(), attention_mask=input_mask.long(),
-                 start_positions=start.long(), end_positions=end.long())
+    """A batch of windows through BertForQuestionAnswering; a sixth element, when present, is the
+    micro-batch's loss weight (``weigh_micro_batches``)."""
+    input_ids, segment_ids, input_mask, start, end, *weight = batch
+    out = model(input_ids=input_ids.long(), token_type_ids=segment_ids.long(), attention_mask=input_mask.long(),
+                start_positions=start.long(), end_positions=end.long())
+    return out._replace(loss=out.loss * weight[0]) if weight else out
 
 
 def _endless(loader: torch.utils.data.DataLoader, sampler: Any) -> Any:
-    """Micro-batches epoch after epoch; a DistributedSampler reshuffles by epoch."""
+    """Micro-batches epoch after epoch; a DistributedSampler or token-budget sampler reshuffles by epoch."""
     epoch = 0
     while True:
         yield from loader

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from tempo.bert.data.token_budget import POLICIES, TokenBudget, TokenBudgetError
 from tempo.choices import ATTENTIONS, PAPER_KINDS, LAYER_KINDS, ChoiceError, TempoChoice
 from tempo.train.runtime import UsageError
 
@@ -131,6 +132,115 @@ def add_training_flags(parser: argparse.ArgumentParser, dashes: bool = False, no
                                  "it and exits with status 1 (default), 'skip' leaves the weights, optimizer "
                                  "state and schedule as they were and goes on (each skip is logged and "
                                  "counted). fp16 runs keep GradScaler's own skip-and-rescale")
+
+
+# -- token-budget batches (--max_tokens): tempo/bert/data/token_budget.py does the batching ------------------
+def max_tokens_flag(text: str) -> int | str:
+    """``--max_tokens``: a positive number of tokens, or "auto" (the planner's, see ``planned_max_tokens``)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens or 'auto', got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_token_budget_flags(parser: argparse.ArgumentParser) -> None:
+    """--max_tokens and its options, the same for run_pretraining.py and run_squad.py."""
+    group = parser.add_argument_group("token-budget batches")
+    group.add_argument("--max_tokens", type=max_tokens_flag, default=None,
+                       help="fill each micro-batch with whole sequences up to N tokens per GPU instead of "
+                            "--train_batch_size sequences (real tokens with --unpad, the padded batch with "
+                            "--no-unpad); 'auto': the planner's tokens per step (tempo.plan). An optimizer step "
+                            "is --gradient_accumulation_steps such micro-batches on each of the world size GPUs")
+    group.add_argument("--token_batching", choices=POLICIES, default="bucket",
+                       help="with --max_tokens: 'bucket' sorts by length and fills batches of similar lengths "
+                            "(default), 'pack' packs first-fit decreasing (fuller batches, mixed lengths: "
+                            "--unpad only)")
+    group.add_argument("--max_sequences_per_batch", type=_positive_int, default=None,
+                       help="with --max_tokens: at most this many sequences per micro-batch")
+    group.add_argument("--memory_budget", default=None,
+                       help="with --max_tokens auto: the memory a step's tensors may use, e.g. 24GiB (default: "
+                            "90%% of the GPU's; needed on the CPU)")
+    group.add_argument("--pad_to_multiple_of", type=_positive_int, default=8,
+                       help="with --max_tokens: a micro-batch is cut to its longest sequence rounded up to this "
+                            "multiple (default 8)")
+
+
+def token_budget_from_args(args: argparse.Namespace, max_tokens: int) -> TokenBudget:
+    """The TokenBudget of the flags: real tokens counted with --unpad, the padded batch with --no-unpad
+    (what each path's activation memory grows with)."""
+    try:
+        return TokenBudget(max_tokens, args.token_batching, args.max_sequences_per_batch, args.pad_to_multiple_of,
+                           count="real" if args.unpad else "padded")
+    except TokenBudgetError as exc:
+        hint = " (--token_batching pack needs --unpad)" if args.token_batching == "pack" and not args.unpad else ""
+        raise UsageError(f"--max_tokens: {exc}{hint}") from None
+
+
+def check_max_tokens(args: argparse.Namespace, max_seq_length: int) -> None:
+    """Before any work: a number must hold one sequence of --max_seq_length; 'auto' needs the planner."""
+    if args.max_tokens is None:
+        return
+    if args.max_tokens == "auto":
+        _planner()
+        return
+    budget = token_budget_from_args(args, args.max_tokens)
+    need = budget.cost([max_seq_length])
+    if args.max_tokens < need:
+        raise UsageError(f"--max_tokens {args.max_tokens} cannot hold one sequence of --max_seq_length "
+                         f"{max_seq_length} ({need} tokens as counted): pass at least {need}")
+
+
+def _planner():
+    """The module tempo.plan, or a UsageError saying that 'auto' needs it."""
+    import importlib
+
+    try:
+        plan = importlib.import_module("tempo.plan")
+    except ModuleNotFoundError as exc:
+        if exc.name != "tempo.plan":
+            raise  # the planner exists but lacks a dependency: say so, do not hide it
+        raise UsageError("--max_tokens auto needs the planner (tempo.plan), which this installation does not "
+                         "have; pass a number of tokens per micro-batch, e.g. --max_tokens 8192") from None
+    if not callable(getattr(plan, "tokens_per_step", None)):
+        raise UsageError("--max_tokens auto needs tempo.plan.tokens_per_step(...), which tempo.plan does not define")
+    return plan
+
+
+def planned_max_tokens(model, lengths, device, precision: str, optimizer: str, budget: str | None = None) -> int:
+    """--max_tokens auto: the planner's tokens per step for this run; the trainers' one call site of
+    tempo.plan. The run's terms become the planner's: ``device`` (a torch.device) its kind, "cuda" (the
+    current GPU; without ``budget`` (--memory_budget) the planner's default share of its memory) or
+    "cpu" (a budget is needed); ``precision`` tf32 counts as fp32; ``optimizer`` adamw_fused is
+    "adamw-fused". ``lengths``: a sample of the data's sequence lengths. The model is planned as it
+    will run (its Tempo layers are the --tempo flags', not apply_tempo's). The planner's own refusal
+    (its PlanError) becomes one line."""
+    plan = _planner()
+    try:
+        tokens = plan.tokens_per_step(model, budget=budget, lengths=lengths,
+                                      device="cuda" if device.type == "cuda" else "cpu",
+                                      precision="fp32" if precision == "tf32" else precision,
+                                      optimizer=optimizer.replace("_", "-"), tempo=False)
+    except getattr(plan, "PlanError", ()) as exc:
+        raise UsageError(f"--max_tokens auto: {exc}") from None
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise UsageError(f"--max_tokens auto: tempo.plan.tokens_per_step returned {tokens!r}, not a positive number "
+                         "of tokens")
+    return tokens
 
 
 def tempo_choice_from_args(args: argparse.Namespace) -> TempoChoice:

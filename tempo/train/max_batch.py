@@ -1,9 +1,9 @@
 """The largest batch that fits: doubling, then bisection, over any "does batch b fit?" probe.
 
-Used by the benchmark's ``max-batch`` command (one subprocess per probe) and by AutoTempo (a
-probe that trains a few steps, in a process of its own on CUDA). Both decide "does not fit" with
-the same rule, written here once: ``is_oom_output`` for a probe's printed output,
-``is_oom_error`` for an exception.
+Used by the benchmark's ``max-batch`` command (one subprocess per probe). It and
+``tempo.plan.confirm`` (probes that train a few steps, each in a process of its own on CUDA) decide
+"does not fit" with the same rule, written here once: ``is_oom_output`` for a probe's printed
+output, ``is_oom_error`` for an exception.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import contextlib
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -73,6 +74,7 @@ class Runtime:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    cpu_threads: "CpuThreads | None" = None  # on the CPU: torch's threads following the load
 
     @property
     def distributed(self) -> bool:
@@ -82,12 +84,173 @@ class Runtime:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def follow_load(self) -> None:
+        """Call once per training step: on the CPU, torch's threads follow the cores other work leaves
+        free (``CpuThreads.follow``: a clock read, and /proc/stat about once a second)."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.follow()
+
+
+# -- intra-op threads on a CPU that other work shares ------------------------------------------------
+# OpenMP threads beyond the cores other processes leave free add no speed and cost a lot: every
+# parallel op ends at a barrier that waits for a thread the scheduler has parked, so each of a
+# step's thousands of small ops can cost a time slice instead of microseconds. Measured on 2 cores
+# that other work kept busy (load 4): the main job's Tempo run made 468 real tokens/s with 2 threads
+# and 9,518 with 1, the original's 1,100 and 5,385; and a run that started on 2 idle cores kept its 2
+# threads when other work arrived and fell to 1,396 real tokens/s against the original's 6,313
+# (results/cpu_speed/main_job_load.md). So the threads follow the load for the whole run.
+FREE_CORES_WINDOW_S = 0.25  # how long setup_runtime watches the CPUs (jiffies are 10 ms: ±4 % of a core)
+FOLLOW_INTERVAL_S = 1.0  # how often a run looks again
+BUSY_SLACK = 0.1  # cores: other work below this is noise, not a reason to drop a thread
+RISE_AFTER = 2  # looks in a row with a core to spare before a thread is added (dropping one is at once)
+PROC_STAT = "/proc/stat"
+CGROUP_QUOTA_FILES = ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+
+
+def _cpu_jiffies(cpus: list[int]) -> dict[int, tuple[int, int]] | None:
+    """(busy, total) jiffies of each CPU in ``cpus`` from /proc/stat (idle and iowait are not busy;
+    steal is: another guest had the core); None when /proc/stat or one of the CPUs' lines is missing."""
+    try:
+        with open(PROC_STAT, encoding="ascii") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    found = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            values = [int(v) for v in fields[:8]]
+            total = sum(values)
+            found[int(name[3:])] = (total - values[3] - values[4], total)
+    return found if len(found) == len(cpus) else None
+
+
+def _cgroup_cores() -> float | None:
+    """The CPU quota of this process's cgroup in cores (v2 cpu.max or v1 cfs_quota_us), None if unlimited."""
+    for path in CGROUP_QUOTA_FILES:
+        try:
+            with open(path, encoding="ascii") as fh:
+                text = fh.read().split()
+        except OSError:
+            continue
+        if path.endswith("cpu.max"):  # "max 100000" or "<quota> <period>"
+            if len(text) == 2 and text[0] != "max":
+                return int(text[0]) / int(text[1])
+            return None
+        try:
+            with open(os.path.join(os.path.dirname(path), "cpu.cfs_period_us"), encoding="ascii") as fh:
+                period = int(fh.read())
+        except (OSError, ValueError):
+            return None
+        quota = int(text[0]) if text else -1
+        return quota / period if quota > 0 and period > 0 else None
+    return None
+
+
+@dataclass(frozen=True)
+class _CpuSample:
+    jiffies: dict[int, tuple[int, int]]
+    own: float  # this process's CPU seconds, all its threads
+    at: float  # time.monotonic()
+
+
+class CpuWatch:
+    """What other processes do on this process's CPUs (its CPU set, capped by its cgroup quota):
+    ``others(since)`` is the cores they kept busy since an earlier sample, from /proc/stat less this
+    process's own CPU time. ``CpuWatch.open()`` is None where /proc/stat cannot be read (not Linux)."""
+
+    def __init__(self, cpus: list[int]):
+        self.cpus = cpus
+        quota = _cgroup_cores()
+        self.usable = float(len(cpus)) if quota is None else min(float(len(cpus)), quota)
+
+    @classmethod
+    def open(cls) -> "CpuWatch | None":
+        try:
+            watch = cls(sorted(os.sched_getaffinity(0)))
+        except AttributeError:  # not Linux
+            return None
+        return watch if watch.sample() is not None else None
+
+    def sample(self) -> _CpuSample | None:
+        jiffies = _cpu_jiffies(self.cpus)
+        return None if jiffies is None else _CpuSample(jiffies, time.process_time(), time.monotonic())
+
+    def others(self, before: _CpuSample, now: _CpuSample) -> float:
+        busy = sum((now.jiffies[c][0] - before.jiffies[c][0]) / max(1, now.jiffies[c][1] - before.jiffies[c][1])
+                   for c in self.cpus)
+        return max(0.0, busy - (now.own - before.own) / max(now.at - before.at, 1e-9))
+
+
+class CpuThreads:
+    """torch's intra-op threads for training on a CPU that other work may share (the comment above):
+    at the start, the cores other work leaves free (watched for ``FREE_CORES_WINDOW_S``), shared by
+    the ``local_ranks`` processes of a run on this machine; then ``follow``, once per step, looks again
+    about once a second: a thread fewer as soon as other work takes a core, more once cores have
+    stayed free for ``RISE_AFTER`` looks. Never more than torch's own count, never fewer than 1.
+    ``line`` says the choice; each change is logged (``log``). ``restore`` gives the threads back."""
+
+    def __init__(self, watch: CpuWatch, local_ranks: int = 1, log: Callable[[str], None] | None = None):
+        self.watch, self.log = watch, log
+        self.most = self.before = torch.get_num_threads()
+        first = watch.sample()
+        time.sleep(FREE_CORES_WINDOW_S)
+        self.last = watch.sample()
+        if first is None or self.last is None:
+            raise OSError("/proc/stat stopped being readable")
+        others = watch.others(first, self.last)
+        self.threads = self._fit(watch.usable - others, local_ranks)
+        torch.set_num_threads(self.threads)
+        self.spare = 0
+        self.line = (f"CPU threads: {self.threads} of {self.most} (other work kept {others:.1f} of "
+                     f"{watch.usable:g} cores busy; followed during the run; OMP_NUM_THREADS=N fixes them)")
+
+    def _fit(self, free: float, share: int = 1) -> int:
+        return max(1, min(self.most, int((max(0.0, free) + BUSY_SLACK) // share)))
+
+    def follow(self) -> None:
+        if time.monotonic() - self.last.at < FOLLOW_INTERVAL_S:
+            return
+        now = self.watch.sample()
+        if now is None:
+            return
+        others = self.watch.others(self.last, now)
+        self.last = now
+        target = self._fit(self.watch.usable - others)
+        self.spare = self.spare + 1 if target > self.threads else 0
+        if target < self.threads or self.spare >= RISE_AFTER:
+            if self.log is not None:
+                self.log(f"CPU threads: {self.threads} -> {target} (other work kept {others:.1f} of "
+                         f"{self.watch.usable:g} cores busy)")
+            self.threads, self.spare = target, 0
+            torch.set_num_threads(target)
+
+    def restore(self) -> None:
+        torch.set_num_threads(self.before)
+
+
+def cpu_threads_for_training(local_ranks: int = 1, log: Callable[[str], None] | None = None
+                             ) -> tuple[CpuThreads | None, str]:
+    """(the threads' governor, its line) for training on this CPU; no governor (torch's threads kept)
+    when OMP_NUM_THREADS is set or the CPUs cannot be watched."""
+    current = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None, f"CPU threads: {current} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+    watch = CpuWatch.open()
+    if watch is None:
+        return None, f"CPU threads: {current}, torch's default (cannot see other work without /proc/stat)"
+    governor = CpuThreads(watch, local_ranks, log)
+    return governor, governor.line
+
 
 def setup_runtime(local_rank_flag: int = -1, force_cpu: bool = False) -> Runtime:
     """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and start DDP if needed.
 
     NCCL on GPUs, gloo on CPUs. ``--local_rank`` (DLE's flag, from torch.distributed.launch) is
-    accepted too; torchrun's LOCAL_RANK wins when both are present.
+    accepted too; torchrun's LOCAL_RANK wins when both are present. On the CPU, torch's intra-op
+    threads follow the cores other work leaves free (``CpuThreads``: one line on rank 0, and one per
+    change; the training loop calls ``rt.follow_load()`` each step); ``teardown_runtime`` gives the
+    process its threads back.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -100,12 +263,21 @@ def setup_runtime(local_rank_flag: int = -1, force_cpu: bool = False) -> Runtime
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank)
+    rt = Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank)
+    if not use_cuda:
+        log = (lambda line: print(line, flush=True)) if rt.is_main else None
+        rt.cpu_threads, line = cpu_threads_for_training(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), log)
+        if log is not None:
+            log(line)
+    return rt
 
 
 def teardown_runtime(rt: Runtime) -> None:
     if rt.distributed and dist.is_initialized():
         dist.destroy_process_group()
+    if rt.cpu_threads is not None:  # in-process callers (tests, notebooks) get their threads back
+        rt.cpu_threads.restore()
+        rt.cpu_threads = None
 
 
 def seed_everything(seed: int) -> None:

@@ -1,6 +1,6 @@
 """The one training step, and the clock around it.
 
-Pretraining, SQuAD fine-tuning, the training benchmark and AutoTempo's measurements all call
+Pretraining, SQuAD fine-tuning, the training benchmark and tempo.plan.confirm's measurements all call
 ``TrainStep``, so what the benchmark times is exactly what the trainers run:
 
   micro-batches -> device -> autocast forward -> loss / accumulation steps -> backward

@@ -42,6 +42,12 @@ the uninterrupted run would have seen::
 Every rank must use the same ``seed`` and ``batch_size``; each gets ``len(shard) // world_size``
 samples per shard, so the ranks stay in step (at most ``world_size - 1`` samples per shard and
 the incomplete last batch are left out of an epoch; different ones every epoch).
+
+``token_budget`` (a ``token_budget.TokenBudget``, with ``batch_size=None``) fills each batch with
+whole sequences up to its tokens instead: each shard's batches are planned from its lengths per
+(seed, shard, epoch) and dealt to the ranks with the same number of batches each, every sample of
+the shard exactly once per epoch (``token_budget.plan_steps``); a batch is cut to its longest
+sequence (``token_budget.TrimPadding``). The resume state means the same.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .create_pretraining_data import SHARD_KEYS
+from .token_budget import TokenBudget, TokenBudgetError, TrimPadding, mask_lengths, plan_steps, shard_lengths
 from .tokenization import DataError
 
 
@@ -248,16 +255,19 @@ class PretrainingShardDataset(Dataset):
 class PretrainingBatches:
     """Infinite, resumable stream of batches from a directory of shards (see module docstring)."""
 
-    def __init__(self, input_dir: str | os.PathLike, batch_size: int, seed: int = 0, rank: int = 0,
+    def __init__(self, input_dir: str | os.PathLike, batch_size: int | None, seed: int = 0, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, max_seq_length: int | None = None,
                  max_predictions_per_seq: int | None = None, pin_memory: bool | None = None,
-                 vocab_size: int | None = None, type_vocab_size: int | None = None):
-        if batch_size < 1:
+                 vocab_size: int | None = None, type_vocab_size: int | None = None,
+                 token_budget: TokenBudget | None = None):
+        if (batch_size is None) == (token_budget is None):
+            raise ValueError("pass either batch_size (sequences per batch) or token_budget (tokens per batch)")
+        if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.shards = list_shards(input_dir)
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.token_budget, self.seed = batch_size, token_budget, seed
         self.vocab_size, self.type_vocab_size = vocab_size, type_vocab_size  # for the shards' value checks
         self.rank, self.world_size = rank, world_size
         # None: pin when CUDA is available, so the trainer's non_blocking host->device copies overlap.
@@ -273,7 +283,7 @@ class PretrainingBatches:
                 raise ShardError(f"shard {path} has {predictions} prediction slots, but "
                                  f"--max_predictions_per_seq is {max_predictions_per_seq}")
             self.sizes.append(n)
-        if sum(self._batches_in(n) for n in self.sizes) == 0:
+        if token_budget is None and sum(self._batches_in(n) for n in self.sizes) == 0:
             raise ShardError(f"the shards in {input_dir} hold {sum(self.sizes)} samples: not one batch of "
                              f"{batch_size} per rank for {world_size} rank(s)")
         self.epoch = self.shard_position = self.batch_in_shard = 0
@@ -288,8 +298,18 @@ class PretrainingBatches:
         return self._cached[1]
 
     def batches_per_epoch(self) -> int:
-        """Batches this rank takes from one pass over all shards."""
+        """Batches this rank takes from one pass over all shards (with a token budget: in this epoch,
+        read from the shards' input masks)."""
+        if self.token_budget is not None:
+            return sum(len(self._token_budget_steps(i, shard_lengths(path))) for i, path in enumerate(self.shards))
         return sum(self._batches_in(n) for n in self.sizes)
+
+    def _token_budget_steps(self, shard_index: int, lengths: np.ndarray) -> list[list[list[int]]]:
+        try:
+            return plan_steps(lengths, self.token_budget, seed=(self.seed, shard_index), epoch=self.epoch,
+                              num_replicas=self.world_size)
+        except TokenBudgetError as exc:
+            raise ShardError(f"shard {self.shards[shard_index]}: {exc}") from None
 
     def _batches_in(self, n: int) -> int:
         return (n // self.world_size) // self.batch_size
@@ -300,6 +320,9 @@ class PretrainingBatches:
         return order
 
     def _rank_batches(self, shard_index: int) -> list[list[int]]:
+        if self.token_budget is not None:
+            lengths = mask_lengths(self._dataset(shard_index).tensors["input_mask"])
+            return [step[self.rank] for step in self._token_budget_steps(shard_index, lengths)]
         n = self.sizes[shard_index]
         order = list(range(n))
         random.Random(f"samples:{self.seed}:{self.epoch}:{shard_index}").shuffle(order)
@@ -331,8 +354,10 @@ class PretrainingBatches:
                     # A private generator: a DataLoader iterator otherwise draws its worker seed from
                     # the global RNG, which would shift the dropout stream of a resumed run.
                     generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, shard_index)) % 2**63)
+                    collate = (TrimPadding(("input_ids", "segment_ids", "input_mask"), "input_mask",
+                                           self.token_budget.pad_to_multiple_of) if self.token_budget else None)
                     loader = DataLoader(dataset, batch_sampler=batches, num_workers=self.num_workers,
-                                        pin_memory=self.pin_memory, generator=generator)
+                                        pin_memory=self.pin_memory, generator=generator, collate_fn=collate)
                     for batch in loader:
                         self.batch_in_shard += 1  # counted before yielding: the state names the next batch
                         yield batch

@@ -1,0 +1,143 @@
+"""The probe a plan is counted on: a fake copy of the model with a few Transformer blocks.
+
+``fake_probe(model, layout, mode)`` copies the model's structure without its data (every
+parameter and buffer becomes a meta tensor in the copy, then a fake one of ``mode``: nothing is
+allocated, the user's model is not touched), keeps ``len(layout)`` Transformer blocks (the first
+ones; more made by copying the first when the model has fewer), and gives block i recompute
+``layout[i]``. What it allocates per block is what every block of the real model allocates
+(identical repeated layers), so a short probe stands for the whole model (tempo.plan.compose).
+
+``example_batch`` makes the inputs a step feeds such a model: token ids (no padding: the plan counts
+real tokens; padded models are counted at their padded length), and the labels its head's loss takes
+(masked-LM / pretraining / token classification / causal LM: per token; sequence classification and
+question answering: per sequence; BERT pretraining's next-sentence label).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from tempo.plan.recompute import set_recompute, transformer_blocks
+from tempo.utils import fake_parameters
+
+
+def structure_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors (tied ones stay tied):
+    the structure, hooks and configuration, none of the data."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for t in tensors.values():
+                if t is None or id(t) in memo:
+                    continue
+                meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+                memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _shorten_config(model: nn.Module, blocks: int) -> None:
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        if config is None or not hasattr(config, "num_hidden_layers"):
+            continue
+        config.num_hidden_layers = blocks
+        layer_types = getattr(config, "layer_types", None)
+        if isinstance(layer_types, (list, tuple)) and layer_types:
+            config.layer_types = [layer_types[i % len(layer_types)] for i in range(blocks)]
+
+
+def fake_probe(model: nn.Module, layout: Sequence[str], mode: Any,
+               prepare: Optional[Callable[[nn.Module], Any]] = None) -> tuple[nn.Module, list[nn.Module], int]:
+    """(the probe, its blocks, the number of blocks the model has): module docstring. ``prepare``
+    runs on the meta copy first (``apply_tempo``)."""
+    probe = structure_copy(model)
+    if prepare is not None:
+        prepare(probe)
+    blocks = transformer_blocks(probe)
+    depth = len(blocks)
+    kept = [blocks[i] if i < depth else structure_copy(blocks[0]) for i in range(len(layout))]
+    blocks._modules.clear()
+    for i, block in enumerate(kept):
+        blocks._modules[str(i)] = block
+    _shorten_config(probe, len(layout))
+    fake_parameters(probe, mode)
+    for block, recompute in zip(kept, layout):
+        set_recompute(block, recompute)
+    probe.train()
+    return probe, kept, depth
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters  # named explicitly: a **kwargs catch-all does not mean the model reads it
+
+
+def vocabulary_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise ValueError(f"tempo.plan: {type(model).__name__} has no token embedding to size the inputs by; "
+                         f"pass batch_fn=...")
+    return max(e.num_embeddings for e in embeddings)
+
+
+def _has_head(name: str) -> bool:
+    """transformers' naming: BertModel is the bare encoder, BertForMaskedLM and GPT2LMHeadModel have heads."""
+    return "For" in name or "Head" in name
+
+
+def example_batch(model: nn.Module, batch: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Inputs of one step of ``model`` (module docstring); real tensors (small: ids and labels)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = vocabulary_size(model)
+    ids = torch.randint(min(3, vocab - 1), vocab, (batch, seq_len), generator=generator)
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+    name = type(model).__name__
+    per_sequence = name.endswith(("ForSequenceClassification", "ForMultipleChoice"))
+    if name.endswith("ForQuestionAnswering"):
+        inputs["start_positions"] = torch.zeros(batch, dtype=torch.long)
+        inputs["end_positions"] = torch.ones(batch, dtype=torch.long)
+    elif _accepts(model, "labels") and _has_head(name):
+        inputs["labels"] = torch.zeros(batch, dtype=torch.long) if per_sequence else ids.clone()
+    if _accepts(model, "use_cache") and _has_head(name):
+        inputs["use_cache"] = False  # training: no KV cache
+    if _accepts(model, "next_sentence_label") and name.endswith("ForPreTraining"):
+        inputs["next_sentence_label"] = torch.zeros(batch, dtype=torch.long)
+    if _accepts(model, "masked_lm_positions"):  # tempo.bert's pretraining head (DeepLearningExamples')
+        predictions = max(1, round(0.15 * seq_len))  # DLE's max_predictions_per_seq: 20 at 128, 80 at 512
+        inputs["masked_lm_positions"] = torch.arange(predictions).repeat(batch, 1)
+        inputs["masked_lm_labels"] = ids[:, :predictions].clone()
+        inputs["next_sentence_labels"] = torch.zeros(batch, dtype=torch.long)
+        inputs.pop("labels", None)
+    if any(getattr(m, "unpad", False) is True for m in model.modules()):
+        inputs["attention_mask"] = torch.ones_like(ids)  # tempo.bert unpads only with a mask: every token real
+    return inputs
+
+
+def max_positions(model: nn.Module) -> Optional[int]:
+    """The longest sequence the model's position table allows (None: no such limit, e.g. RoPE)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
+        return None
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    if type(model).__name__.startswith(("Roberta", "XLMRoberta", "Camembert")):
+        limit -= getattr(config, "pad_token_id", 1) + 1  # positions start at padding_idx + 1
+    return limit
+
+
+__all__ = ["example_batch", "fake_probe", "max_positions", "structure_copy", "vocabulary_size"]

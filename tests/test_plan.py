@@ -1,0 +1,278 @@
+"""tempo.plan: the fastest step that fits a budget, counted on fake tensors (issue 32).
+
+The predicted peak is held to PyTorch's own tracker (torch.distributed._tools.mem_tracker.MemTracker)
+on the same training step: within 5 % and never below it, on fake tensors for each family and on a
+real CPU step of a small BERT. The composition of a whole model from a short probe is held to a
+fake trace of the whole step, byte for byte where it is exact.
+"""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+transformers = pytest.importorskip("transformers")
+
+import tempo.plan as tp  # noqa: E402
+from tempo.integrations.patch import apply_tempo  # noqa: E402
+from tempo.memory.fake import _RealWhereValuesMatter  # noqa: E402
+from tempo.movement.trace import CudaSemantics  # noqa: E402
+from tempo.plan.compose import compose, parts_from_traces, probe_layout  # noqa: E402
+from tempo.plan.probe import example_batch, fake_probe, structure_copy  # noqa: E402
+from tempo.plan.recompute import apply_recompute, transformer_blocks  # noqa: E402
+from tempo.plan.trace import trace_step  # noqa: E402
+from tempo.utils import fake_parameters  # noqa: E402
+
+
+def bert(layers=6, hidden=128, heads=4, vocab=1000, **o):
+    config = transformers.BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                     intermediate_size=4 * hidden, vocab_size=vocab, **o)
+    with torch.device("meta"):
+        return transformers.BertForMaskedLM(config)
+
+
+# -- the budget and the device -------------------------------------------------------------------
+@pytest.mark.parametrize("text, value", [("24GiB", 24 << 30), ("24 GiB", 24 << 30), ("24G", 24 << 30),
+                                         ("24GB", 24 * 10**9), ("1.5e10", 15 * 10**9), (1 << 33, 1 << 33)])
+def test_budgets_are_read_in_every_spelling(text, value):
+    assert tp.parse_budget(text) == value
+
+
+@pytest.mark.parametrize("bad", ["lots", "-3GiB", "0", "", True, None, "24 GiBs"])
+def test_an_unreadable_budget_is_one_clear_line(bad):
+    with pytest.raises(tp.PlanError, match="argument 'budget' must be a size such as '24GiB'"):
+        tp.parse_budget(bad)
+
+
+def test_devices_by_name_and_the_current_gpu_without_one():
+    assert tp.resolve_device("H100").projection == "H100"
+    assert tp.resolve_device("cpu").semantics == "cpu"
+    with pytest.raises(tp.PlanError, match="unknown device 'tpu'"):
+        tp.resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(tp.PlanError, match="no CUDA GPU is visible"):
+            tp.resolve_device("cuda")
+
+
+def test_the_probe_holds_every_ordered_pair_of_modes_once():
+    for modes in (["none"], ["none", "full"], ["none", "selective", "full"]):
+        layout = probe_layout(modes)
+        inner = layout[1:-1]
+        pairs = list(zip(inner, inner[1:]))
+        assert sorted(pairs) == sorted((a, b) for a in modes for b in modes)
+        assert layout[0] == layout[-1] == "none"
+
+
+# -- the composition against a trace of the whole step ---------------------------------------------
+def _parts(model, layout, seq_len, prepare=None, semantics="cuda"):
+    traces = []
+    for batch in (2, 4):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        probe, blocks, _ = fake_probe(model, layout, mode, prepare)
+        traces.append(trace_step(probe, blocks, example_batch(probe, batch, seq_len), mode, semantics=semantics,
+                                 round_to=512))
+    return parts_from_traces(traces[0], 2 * seq_len, traces[1], 4 * seq_len, layout)
+
+
+def _traced_peak(model, modes, batch, seq_len, prepare=None, semantics="cuda"):
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    whole = structure_copy(model)
+    if prepare is not None:
+        prepare(whole)
+    fake_parameters(whole, mode)
+    apply_recompute(whole, modes)
+    whole.train()
+    trace = trace_step(whole, list(transformer_blocks(whole)), example_batch(whole, batch, seq_len), mode,
+                       semantics=semantics, round_to=512)
+    return trace.peak()
+
+
+PLANS = {"none": ["none"] * 8, "selective": ["selective"] * 8, "full": ["full"] * 8,
+         "mixed": ["none", "selective", "full", "none", "full", "full", "selective", "none"]}
+
+
+@pytest.mark.parametrize("tempo", [False, True], ids=["stock", "tempo"])
+def test_the_composed_peak_is_the_traced_peak_of_the_whole_model(tempo):
+    model = bert(layers=8)
+    prepare = apply_tempo if tempo else None
+    parts = _parts(model, probe_layout(["none", "selective", "full"]), 64, prepare)
+    for name, modes in PLANS.items():
+        composition = compose(parts, modes)
+        for batch in (3, 5):
+            traced = _traced_peak(model, modes, batch, 64, prepare)
+            composed = composition.peak_at(batch * 64)
+            # Exact but for a neighbour of another mode freeing an older tensor at another moment
+            # (COMPOSITION_MARGIN, 1 %, covers it): measured from -0.5 % to +0.6 %.
+            assert -0.005 <= composed / traced - 1 <= 0.01, (name, batch, composed, traced)
+
+
+# -- the predicted peak against PyTorch's own tracker ----------------------------------------------
+def _memtracker_peak(model, plan, semantics="cuda", real=False):
+    """MemTracker's peak over two training steps (the second has the optimizer states) of ``model``
+    with ``plan`` applied, at the plan's tokens, on fake tensors (or real ones on the CPU)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    seq_len = plan.seq_len
+    batch = plan.tokens_per_step // seq_len
+    mode = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
+    whole = model if real else structure_copy(model)
+    if not real:
+        fake_parameters(whole, mode)
+    plan.apply(whole)
+    whole.train()
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-4, foreach=semantics == "cuda")
+    inputs = example_batch(whole, batch, seq_len)
+    tracker = MemTracker()
+    tracker.track_external(whole, optimizer)
+    semantic = CudaSemantics() if semantics == "cuda" else contextlib.nullcontext()
+    # Ops on real inputs only (masks, positions) run for real, as in the plan's own trace.
+    real_where_needed = contextlib.nullcontext() if real else _RealWhereValuesMatter()
+    autocast = plan.precision != "fp32"
+    with mode, semantic, real_where_needed, tracker:
+        for step in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                output = whole(**inputs)  # held through backward, as the plan counts it
+            output.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            del output
+            if step == 0:
+                tracker.reset_mod_stats()
+    peaks = tracker.get_tracker_snapshot("peak")
+    return max(v["Total"] for v in peaks.values())
+
+
+FAMILY_MODELS = {
+    "bert": lambda: bert(layers=4, hidden=256),
+    "deberta": lambda: _meta(transformers.DebertaV2ForMaskedLM, transformers.DebertaV2Config(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024, vocab_size=1000,
+        relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=64, max_relative_positions=-1,
+        norm_rel_ebd="layer_norm", share_att_key=True, max_position_embeddings=512, position_biased_input=False)),
+    "modernbert": lambda: _meta(transformers.ModernBertForMaskedLM, transformers.ModernBertConfig(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=384, vocab_size=1000,
+        global_attn_every_n_layers=3, local_attention=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        cls_token_id=1, sep_token_id=2)),
+}
+
+
+def _meta(cls, config):
+    with torch.device("meta"):
+        return cls(config)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
+def test_the_predicted_peak_is_never_below_memtracker_and_within_5_percent_on_fake_tensors(family):
+    model = FAMILY_MODELS[family]()
+    plan = tp.plan(model, budget="200MiB", lengths=128, device="h100")
+    tracked = _memtracker_peak(model, plan)
+    # MemTracker does not know cuBLAS's workspaces (a GPU allocates them: the plan counts them).
+    predicted = plan.peak_bytes - plan.peak.cublas_workspace
+    assert tracked <= predicted <= 1.05 * tracked, (predicted, tracked)
+    assert plan.peak_bytes <= plan.budget
+
+
+def test_the_predicted_peak_holds_for_a_real_cpu_step_of_a_small_bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                     intermediate_size=256, vocab_size=500)
+    model = transformers.BertForMaskedLM(config)
+    plan = tp.plan(model, budget="40MiB", lengths=64, device="cpu", precision="fp32")
+    tracked = _memtracker_peak(copy.deepcopy(model), plan, semantics="cpu", real=True)
+    assert tracked <= plan.peak_bytes <= 1.05 * tracked, (plan.peak_bytes, tracked)
+
+
+# -- the plan's promises -------------------------------------------------------------------------
+def test_the_peak_never_exceeds_the_budget_and_more_budget_never_gives_fewer_tokens_for_a_recompute():
+    model = bert(layers=4, hidden=256)
+    previous = {}
+    for budget in ("150MiB", "200MiB", "300MiB", "500MiB"):
+        plan = tp.plan(model, budget=budget, lengths=128, device="h100")
+        assert plan.peak_bytes <= plan.budget
+        for candidate in plan.candidates:
+            if candidate.peak is not None:
+                assert candidate.peak.total <= plan.budget
+            key = candidate.recompute
+            assert candidate.tokens >= previous.get(key, 0), (budget, candidate.summary())
+            previous[key] = candidate.tokens
+
+
+def test_the_plan_is_the_fastest_candidate_and_its_parts_add_up():
+    plan = tp.plan(bert(layers=4, hidden=256), budget="200MiB", lengths=128, device="h100")
+    fitting = [c for c in plan.candidates if c.tokens]
+    assert max(c.tokens_per_second for c in fitting) == plan.tokens_per_second
+    p = plan.peak
+    assert p.total == p.weights + p.gradients + p.optimizer_states + p.activations + p.transient + p.workspace
+    # Each parameter is its own allocation on a GPU: rounded up to the allocator's 512-byte blocks.
+    model = bert(layers=4, hidden=256)
+    assert p.weights == sum(-(-t.numel() * t.element_size() // 512) * 512
+                            for t in (*model.parameters(), *model.buffers()))
+
+
+def test_a_tight_budget_makes_the_plan_recompute():
+    roomy = tp.plan(bert(layers=4, hidden=256), budget="2GiB", lengths=128, device="h100")
+    assert set(roomy.recompute) == {"none"}
+    candidates = {c.recompute: c for c in roomy.candidates}
+    none = candidates[("none",) * 4]
+    full = candidates[("full",) * 4]
+    assert full.tokens > none.tokens  # recompute buys tokens ...
+    assert full.step_seconds / full.tokens > none.step_seconds / none.tokens  # ... at a price per token
+
+
+def test_plan_apply_gives_the_model_the_plans_recompute_and_tempo():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                     intermediate_size=256, vocab_size=500)
+    plan = tp.plan(transformers.BertForMaskedLM(config), budget="30MiB", lengths=64, device="cpu", precision="fp32")
+    model = plan.apply(transformers.BertForMaskedLM(config))
+    assert [tp.recompute_of(b) for b in tp.transformer_blocks(model)] == plan.recompute
+    from tempo.integrations.patch import tempo_patched
+
+    assert tempo_patched(model).get("InplaceGelu") == 5  # four layers and the MLM head
+
+
+# -- bad input: one clear line, nothing applied ------------------------------------------------------
+def test_a_budget_below_weights_and_optimizer_states_names_the_minimum():
+    with pytest.raises(tp.PlanError, match=r"below the weights and optimizer states alone .* the minimum is about"):
+        tp.plan(bert(layers=4, hidden=256), budget="10MiB", lengths=128, device="h100")
+
+
+def test_a_sequence_longer_than_the_model_allows_is_refused():
+    with pytest.raises(tp.PlanError, match="a sequence of 600 tokens is longer than the model allows \\(512"):
+        tp.plan(bert(layers=2), budget="1GiB", lengths=[100, 600], device="h100")
+
+
+@pytest.mark.parametrize("argument, value, message", [
+    ("precision", "int8", "argument 'precision' must be one of"),
+    ("optimizer", "adagrad", "argument 'optimizer' must be one of"),
+    ("lengths", [], "argument 'lengths' must be a positive sequence length"),
+    ("lengths", [0, 3], "argument 'lengths' must be a positive sequence length"),
+    ("device", "tpu", "unknown device"),
+])
+def test_bad_arguments_are_named(argument, value, message):
+    kwargs = dict(budget="1GiB", lengths=128, device="h100")
+    kwargs[argument] = value
+    with pytest.raises(tp.PlanError, match=message):
+        tp.plan(bert(layers=2), **kwargs)
+
+
+def test_a_model_that_is_not_a_module_is_refused():
+    with pytest.raises(tp.PlanError, match="argument 'model' must be a torch.nn.Module"):
+        tp.plan("bert-large-uncased", budget="1GiB")
+
+
+def test_the_cpu_needs_a_budget():
+    with pytest.raises(tp.PlanError, match="argument 'budget' is needed on the CPU"):
+        tp.plan(bert(layers=2), budget=None, device="cpu")
+
+
+def test_a_model_apply_tempo_covers_in_part_is_planned_with_what_it_covers():
+    """GPT-2's residual adds are inline: its LayerNorms stay InplaceLayerNorm, no fused block; the
+    plan says what it swapped and plans with it."""
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=128)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    plan = tp.plan(model, budget="1GiB", lengths=64, device="h100")
+    assert plan.tempo.get("InplaceLayerNorm", 0) > 0
+    assert plan.tokens_per_step > 0
