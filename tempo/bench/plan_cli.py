@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
     parser.add_argument("--no-tempo", action="store_true", help="plan the model as it is (no apply_tempo)")
-    parser.add_argument("--candidates", action="store_true", help="also print every recompute plan tried")
+    parser.add_argument("--candidates", action="store_true", help="also print every recompute plan tried (with --frontier: every policy of every row)")
     parser.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     parser.add_argument("--frontier", action="store_true",
                         help="the frontier table: Tempo's plans against torch's own policies (tempo.bench.frontier)")
@@ -117,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.frontier:
         from tempo.bench.frontier import main as frontier_main
 
-        return frontier_main([] if args.json is None else ["--json", args.json])
+        return frontier_main((["--json", args.json] if args.json else []) + (["--details"] if args.candidates else []))
     from tempo.plan import PlanError, plan
     from tempo.plan.report import format_candidates
     from tempo.utils import atomic_write_text
