@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import nn
@@ -145,7 +145,6 @@ class _Plan:
     swaps: list[_Swap]
     skipped: Counter  # (kind, reason) -> count
     attention_modules: int  # modules an attention recipe replaces
-    named: Counter = field(default_factory=Counter)  # (kind, reason) -> modules already named in an INFO line
 
 
 def _is_tempo_module(module: nn.Module) -> bool:
@@ -179,8 +178,7 @@ def _plan(model: nn.Module, options: Options, active: list[Recipe]) -> _Plan:
             built = recipe.build(child, options)
             if isinstance(built, Skip):
                 plan.skipped[(built.kind or recipe.kind, built.reason)] += 1
-                if built.measured:  # a numerical refusal: named, with its numbers (not again in the summary)
-                    plan.named[(built.kind or recipe.kind, built.reason)] += 1
+                if built.measured:  # a numerical refusal: named, with its numbers
                     logger.info("apply_tempo: left %s (%s) alone: %s: %s", qualified, type(child).__name__,
                                 built.reason, built.measured)
                 else:
@@ -191,7 +189,6 @@ def _plan(model: nn.Module, options: Options, active: list[Recipe]) -> _Plan:
             if not checked:
                 why = "its forward computes something other than the replacement"
                 plan.skipped[(recipe.kind, why)] += 1
-                plan.named[(recipe.kind, why)] += 1
                 logger.info("apply_tempo: left %s (%s) alone: the replacement %s computes something else: %s",
                             qualified, type(child).__name__, recipe.becomes.split(" (")[0],
                             getattr(checked, "reason", "") or "the numerical check failed")
@@ -409,9 +406,6 @@ def _log(model: nn.Module, plan: _Plan, switch: Optional[AttentionSwitch]) -> No
         counts[swap.recipe.labels(swap.new)] += 1
         logger.debug("%s: %s -> %s", swap.qualified, type(old).__name__, type(swap.new).__name__)
     for (kind, reason), n in sorted(plan.skipped.items()):
-        n -= plan.named[(kind, reason)]  # each of those was named with its numbers already
-        if n <= 0:
-            continue
         logger.info("apply_tempo: left %d %s module%s alone (%s)", n, kind, "" if n == 1 else "s", reason)
     for (kind, becomes), n in sorted(counts.items()):
         logger.info("apply_tempo: replaced %d %s -> %s", n, kind, becomes)
