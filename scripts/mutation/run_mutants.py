@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: scripts/mutation/ -> repository root
 MUTANTS = RESULTS = Path()  # set by main() from its first argument
 LOGS = ROOT / "mutation_logs"
-TIMEOUT_S = 900
+# Seconds per mutant (MUTATION_TIMEOUT_S overrides: on 2 shared cores an integration file's targeted tests take longer)
+TIMEOUT_S = int(os.environ.get("MUTATION_TIMEOUT_S", 900))
 FULL_TIMEOUT_S = 2400
 PYTEST = [sys.executable, "-m", "pytest", "-m", "not slow", "-x", "-q", "-p", "no:cacheprovider"]
 
