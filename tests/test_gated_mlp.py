@@ -735,3 +735,29 @@ def test_modernbert_mlp_dropout_is_fused_and_a_rate_in_eval_keeps_nothing_more()
         kept[mode, p] = {k: v for k, v in ledger.by_module(depth=3).items() if k.endswith(".mlp")}
     assert kept["eval", 0.0] and kept["eval", 0.3] == kept["eval", 0.0]
     assert all(kept["train", 0.3][k] == v + 8 for k, v in kept["eval", 0.0].items())  # + the seed
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_a_frozen_down_weight_or_bias_leaves_the_other_its_gradient(fused, frozen):
+    """PEFT's LoRA with bias="all" trains the down projection's bias beside a frozen weight (and the
+    reverse happens with a frozen bias): each gets its own gradient, equal to F.linear's, whatever
+    the other requires."""
+    from tempo.ops.gated_mlp import gated_linear, gated_linear_fused
+
+    torch.manual_seed(0)
+    inter, out = 8, 6
+    h = torch.randn(5, 2 * inter, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(out, inter, dtype=torch.float64, requires_grad=frozen != "weight")
+    bias = torch.randn(out, dtype=torch.float64, requires_grad=frozen != "bias")
+    gate, up = h[:, :inter], h[:, inter:]
+    if fused:
+        got = gated_linear_fused(h, weight, bias, activation="silu", gate_first=True)
+    else:
+        got = gated_linear(gate, up, weight, bias, activation="silu")
+    want = nn.functional.linear(nn.functional.silu(gate) * up, weight, bias)
+    trained = [t for t in (h, weight, bias) if t.requires_grad]
+    grads = torch.autograd.grad(got.square().sum(), trained)
+    expected = torch.autograd.grad(want.square().sum(), trained)
+    for g, e in zip(grads, expected):
+        assert g is not None and torch.allclose(g, e, rtol=1e-10, atol=1e-12)
