@@ -155,3 +155,27 @@ def test_the_check_leaves_parameters_and_train_flags_as_they_were():
     assert all(m.training for m in model.modules())
     for n, p in model.named_parameters():
         assert p.dtype == before[n][0] and torch.equal(p.detach(), before[n][1]), n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("where", ["one element", "every element"])
+def test_a_replacement_whose_output_is_not_finite_is_refused(dtype, where):
+    """A NaN compares false with every tolerance: a difference check alone would pass a replacement
+    that returns NaN (or inf) where the original is finite. The check refuses it in every dtype."""
+    ln = nn.LayerNorm(32).to(dtype)
+
+    class NotFinite(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            y = self.inner(x).clone()
+            if where == "one element":
+                y.view(-1)[3] = float("nan")
+            else:
+                y.fill_(float("inf"))
+            return y
+
+    result = same_output(ln, NotFinite(ln), sample((2, 5, 32), ln.weight))
+    assert isinstance(result, CheckResult) and not result, result
