@@ -751,17 +751,22 @@ def _check_bias(attn_bias: Tensor, q: Tensor, k: Tensor, is_causal: bool) -> Non
     if is_causal:
         raise ValueError(f"{_OP}: arguments 'attn_bias' and 'is_causal' cannot both be set; fold the causal "
                          f"mask into attn_bias")
-    if attn_bias.device != q.device:
-        raise ValueError(f"{_OP}: argument 'attn_bias' must be on {q.device}, got {attn_bias.device}")
+    _check_broadcasts_to_scores("attn_bias", attn_bias, q, k)
+
+
+def _check_broadcasts_to_scores(name: str, tensor: Tensor, q: Tensor, k: Tensor) -> None:
+    """``tensor`` (a mask or a bias) is on q's device and broadcasts to the scores' shape."""
+    if tensor.device != q.device:
+        raise ValueError(f"{_OP}: argument '{name}' must be on {q.device}, got {tensor.device}")
     scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    ok = attn_bias.dim() <= 4
+    ok = tensor.dim() <= 4
     if ok:
         try:
-            ok = tuple(torch.broadcast_shapes(tuple(attn_bias.shape), scores)) == scores
+            ok = tuple(torch.broadcast_shapes(tuple(tensor.shape), scores)) == scores
         except RuntimeError:
             ok = False
     if not ok:
-        raise ValueError(f"{_OP}: argument 'attn_bias' of shape {tuple(attn_bias.shape)} does not broadcast "
+        raise ValueError(f"{_OP}: argument '{name}' of shape {tuple(tensor.shape)} does not broadcast "
                          f"to the scores' shape (batch, heads, s_q, s_k) = {scores}")
 
 
@@ -793,18 +798,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise TypeError(f"{_OP}: argument 'attn_mask' must be bool (True = attend) or floating point "
                         f"(added to the scores), got {attn_mask.dtype}")
-    if attn_mask.device != q.device:
-        raise ValueError(f"{_OP}: argument 'attn_mask' must be on {q.device}, got {attn_mask.device}")
-    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    ok = attn_mask.dim() <= 4
-    if ok:
-        try:
-            ok = tuple(torch.broadcast_shapes(tuple(attn_mask.shape), scores)) == scores
-        except RuntimeError:
-            ok = False
-    if not ok:
-        raise ValueError(f"{_OP}: argument 'attn_mask' of shape {tuple(attn_mask.shape)} does not broadcast "
-                         f"to the scores' shape (batch, heads, s_q, s_k) = {scores}")
+    _check_broadcasts_to_scores("attn_mask", attn_mask, q, k)
 
 
 def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
