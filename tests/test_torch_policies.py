@@ -336,7 +336,7 @@ def test_command_prints_the_table(capsys):
     (["--policies", "eager", "magic"], "--policies: unknown policy 'magic'"),
     (["--model", TINY, "--seq-len", "65"], "--seq-len: seq_len 65 is out of range"),
     (["--model", TINY, "--seq-len", "16", "--tokens", "20"], "--tokens 20 is not a multiple of --seq-len 16"),
-    (["--seq-len", "0"], "0 must be at least 1"),
+    (["--seq-len", "0"], "must be a positive integer, got 0"),
 ])
 def test_command_refuses_bad_input(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -595,15 +595,7 @@ def check_efficient_attention_padded(ctx: Context, dtype: torch.dtype, dropout: 
     def call(qq, kk, vv):
         return efficient_attention(qq, kk, vv, attn_mask=mask, dropout_p=p)
 
-    def run():
-        _set_rng_state(state, ctx.device)
-        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-        with _triton():
-            out = call(ql, kl, vl)
-            out.backward(g)
-        return out.detach(), ql.grad, kl.grad, vl.grad
-
-    (out, dq, dk, dv), first, second = twice(ctx.device, run)
+    (out, dq, dk, dv), first, second = _attention_twice(ctx, state, call, q, k, v, g)
     checks = []
     keep = None
     if dropout:
@@ -619,6 +611,20 @@ def check_efficient_attention_padded(ctx: Context, dtype: torch.dtype, dropout: 
     tol = TOL[dtype]
     checks += [compare(w, a, r, tol) for w, a, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref)]
     return checks, first, second
+
+
+def _attention_twice(ctx: Context, state: Any, call: Callable, q, k, v, g):
+    """``call(q, k, v)`` forward and backward with ``g`` from the RNG ``state``, twice (``twice``: the
+    first call compiles); ((out, dq, dk, dv), first seconds, second seconds)."""
+    def run():
+        _set_rng_state(state, ctx.device)
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        with _triton():
+            out = call(ql, kl, vl)
+            out.backward(g)
+        return out.detach(), ql.grad, kl.grad, vl.grad
+
+    return twice(ctx.device, run)
 
 
 def _packed(ctx: Context, dtype: torch.dtype):
@@ -650,15 +656,7 @@ def check_efficient_attention_varlen(ctx: Context, dtype: torch.dtype, dropout: 
     def call(qq, kk, vv):
         return efficient_attention_varlen(qq, kk, vv, cu, facts.max_seqlen, dropout_p=p, min_seqlen=facts.min_seqlen)
 
-    def run():
-        _set_rng_state(state, ctx.device)
-        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-        with _triton():
-            out = call(ql, kl, vl)
-            out.backward(g)
-        return out.detach(), ql.grad, kl.grad, vl.grad
-
-    (out, dq, dk, dv), first, second = twice(ctx.device, run)
+    (out, dq, dk, dv), first, second = _attention_twice(ctx, state, call, q, k, v, g)
     checks = []
     keeps: list[Optional[torch.Tensor]] = [None] * len(s.varlen)
     if dropout:

@@ -1062,17 +1062,9 @@ def format_table(rows: Sequence[PolicyCount]) -> str:
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def main(argv: Optional[list[str]] = None) -> int:
+    from tempo.train.flags import positive_int
+
     parser = argparse.ArgumentParser(
         prog="python -m tempo.bench.torch_policies",
         description="What torch's own policies (sdpa, torch.compile and its activation_memory_budget, selective and "
@@ -1080,8 +1072,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "levers: bytes kept per token per added layer (units of h), backward FLOPs against eager, what "
                     "is recomputed. Counted on fake tensors as a GPU runs the step (bf16 autocast).")
     parser.add_argument("--model", default="bert-large", help=f"family: {', '.join(FAMILIES)} (default bert-large)")
-    parser.add_argument("--seq-len", type=_positive_int, default=512, help="sequence length (default 512)")
-    parser.add_argument("--tokens", type=_positive_int, default=None,
+    parser.add_argument("--seq-len", type=positive_int, default=512, help="sequence length (default 512)")
+    parser.add_argument("--tokens", type=positive_int, default=None,
                         help=f"tokens of the whole-model budget rows, a multiple of --seq-len (default: the smallest "
                              f"multiple at or above {DEFAULT_TOKENS})")
     parser.add_argument("--policies", nargs="+", metavar="NAME", default=list(POLICIES),

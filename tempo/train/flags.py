@@ -140,15 +140,13 @@ def max_tokens_flag(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        value = int(text)
-    except ValueError:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be a positive number of tokens or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number of tokens or 'auto', got {text}")
-    return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer, else a one-line error."""
     try:
         value = int(text)
     except ValueError:
@@ -170,12 +168,12 @@ def add_token_budget_flags(parser: argparse.ArgumentParser) -> None:
                        help="with --max_tokens: 'bucket' sorts by length and fills batches of similar lengths "
                             "(default), 'pack' packs first-fit decreasing (fuller batches, mixed lengths: "
                             "--unpad only)")
-    group.add_argument("--max_sequences_per_batch", type=_positive_int, default=None,
+    group.add_argument("--max_sequences_per_batch", type=positive_int, default=None,
                        help="with --max_tokens: at most this many sequences per micro-batch")
     group.add_argument("--memory_budget", default=None,
                        help="with --max_tokens auto: the memory a step's tensors may use, e.g. 24GiB (default: "
                             "90%% of the GPU's; needed on the CPU)")
-    group.add_argument("--pad_to_multiple_of", type=_positive_int, default=8,
+    group.add_argument("--pad_to_multiple_of", type=positive_int, default=8,
                        help="with --max_tokens: a micro-batch is cut to its longest sequence rounded up to this "
                             "multiple (default 8)")
 
