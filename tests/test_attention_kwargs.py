@@ -369,3 +369,32 @@ def test_revert_gives_t5_its_eager_attention_back():
     assert all(not m._forward_pre_hooks for m in model.modules())
     inputs = t5_inputs("T5EncoderModel")
     torch.testing.assert_close(output_and_grads(model, inputs)[0], output_and_grads(stock, inputs)[0])
+
+
+@pytest.mark.parametrize("implementation", ["tempo", "tempo_efficient"])
+def test_a_packed_row_with_a_position_bias_keeps_the_bias(implementation):
+    """A padding-free row (position_ids restarting at each sequence) together with a position bias:
+    the bias is added and every sequence attends only to itself, as eager attention on each sequence
+    alone with its own block of the bias. (The variable-length kernel takes no bias: such a call must
+    not be routed to it.)"""
+    from tempo.integrations.hf_attention import tempo_attention_forward, tempo_efficient_attention_forward
+
+    forward = tempo_attention_forward if implementation == "tempo" else tempo_efficient_attention_forward
+    torch.manual_seed(0)
+    heads, dim, lengths = 2, 8, (5, 7)
+    total = sum(lengths)
+    q, k, v = (torch.randn(1, heads, total, dim, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, heads, total, total, dtype=torch.float64)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    module = nn.Module()
+    module.is_causal = False
+    module.training = False
+    got, _ = forward(module, q, k, v, None, scaling=dim ** -0.5, dropout=0.0, position_bias=bias,
+                     position_ids=position_ids)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        scores = q[:, :, part] @ k[:, :, part].transpose(-1, -2) * dim ** -0.5 + bias[:, :, part, part]
+        want = (torch.softmax(scores, -1) @ v[:, :, part]).transpose(1, 2)
+        assert torch.allclose(got[:, part], want, rtol=1e-9, atol=1e-9), (implementation, n)
+        start += n
