@@ -276,3 +276,18 @@ def test_a_model_apply_tempo_covers_in_part_is_planned_with_what_it_covers():
     plan = tp.plan(model, budget="1GiB", lengths=64, device="h100")
     assert plan.tempo.get("InplaceLayerNorm", 0) > 0
     assert plan.tokens_per_step > 0
+
+
+@pytest.mark.parametrize("lengths", [[64, 100, 37], 64], ids=["varied", "one-length"])
+def test_a_budget_that_holds_exactly_the_longest_sequence_plans_one(lengths):
+    """The floor is inclusive: a budget of exactly the peak of one longest sequence (no recompute)
+    plans that one sequence per step; a byte less recomputes to fit it, and with no recompute allowed
+    it is refused naming the longest sequence."""
+    counted = tp.count(bert(layers=2, hidden=64), lengths, device="h100")
+    floor = counted.floor_tokens
+    assert floor == 100 if lengths != 64 else floor == 64
+    exact = counted.peak_at(("none",) * counted.blocks, floor).total
+    plan = tp.choose(counted, exact, recompute_plans=[("none",) * counted.blocks])
+    assert plan.tokens_per_step == floor and plan.peak_bytes <= exact
+    with pytest.raises(tp.PlanError, match=f"not even {floor} "):
+        tp.choose(counted, exact - 1, recompute_plans=[("none",) * counted.blocks])

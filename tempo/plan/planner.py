@@ -322,8 +322,15 @@ class Counted:
         """``recompute`` at the most tokens ``budget`` holds (0 tokens: it does not fit)."""
         composition = compose(self.parts, recompute)
         lines = _peak_lines(composition, self.weights + self.states, self.optimizer_temporary, self.workspace)
-        t = largest_tokens(lines, budget)
-        t = (t // self.token_unit) * self.token_unit
+        most = largest_tokens(lines, budget)
+        # The peak reported (PeakParts) is in whole bytes, a few below the lines' floats: a budget of
+        # exactly the peak at t tokens leaves the lines a fraction of a token short of t.
+        if _breakdown(composition, most + 1, self.weights, self.states, self.optimizer_temporary,
+                      self.workspace).total <= budget:
+            most += 1
+        t = (most // self.token_unit) * self.token_unit
+        if t < self.floor_tokens <= most:  # one longest sequence fits, though not the next multiple
+            t = self.floor_tokens
         if t < self.floor_tokens:
             return Candidate(tuple(recompute), 0, None, None)
         peak = _breakdown(composition, t, self.weights, self.states, self.optimizer_temporary, self.workspace)
