@@ -248,7 +248,9 @@ def _positions(module: nn.Module, s: int) -> Optional[dict]:
 
 def _one_bucket(module: nn.Module) -> bool:
     """position_buckets = 1 with log buckets: transformers' make_log_bucket_position divides by
-    position_buckets // 2 = 0 (ZeroDivisionError): the model does not run, with or without Tempo."""
+    position_buckets // 2 = 0. In transformers 5.2x that raises ZeroDivisionError (the model does not
+    run, with or without Tempo); in 5.17, whose position functions are TorchScript, it makes inf buckets
+    cast to integers: the model runs on positions Tempo's op does not reproduce. Tempo leaves it alone."""
     return bool(module.relative_attention and module.position_buckets == 1 and module.max_relative_positions > 0)
 
 
@@ -510,7 +512,8 @@ def _restore(new: nn.Module, original: nn.Module) -> None:
 def _build_efficient(old: nn.Module, options: Options) -> Built:
     if _one_bucket(old):
         return Skip("position_buckets=1: transformers' own make_log_bucket_position divides by position_buckets // 2 "
-                    "= 0, the model cannot run")
+                    "= 0 (a ZeroDivisionError, or under TorchScript inf buckets cast to integers), which Tempo's "
+                    "attention does not reproduce")
     return DebertaEfficientAttention(old)
 
 
