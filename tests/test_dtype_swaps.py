@@ -179,3 +179,27 @@ def test_a_replacement_whose_output_is_not_finite_is_refused(dtype, where):
 
     result = same_output(ln, NotFinite(ln), sample((2, 5, 32), ln.weight))
     assert isinstance(result, CheckResult) and not result, result
+
+
+def test_a_replacement_wrong_in_one_element_is_refused():
+    """The check takes the worst element, not an average: one output element off by 100x the
+    formula's tolerance (1e-5 + 1e-5·|y|), or by 0.5, is refused although every other element agrees
+    exactly (an average of the excess over the 1,152 elements would be negative for the first)."""
+    ln = nn.LayerNorm(32)
+
+    class OneOff(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            y = self.inner(x).clone()
+            y.view(-1)[7] += self.off
+            return y
+
+    x = sample((4, 9, 32), ln.weight)
+    for off in (2e-3, 0.5):
+        wrong = OneOff(ln)
+        wrong.off = off
+        result = same_output(ln, wrong, x)
+        assert isinstance(result, CheckResult) and not result, (off, result)
