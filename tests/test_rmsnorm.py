@@ -935,11 +935,16 @@ def test_a_look_alike_that_computes_something_else_is_left_alone_and_logged(capl
         def forward(self, x):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
-    model = nn.Sequential(CenteredNorm(8), OtherEpsNorm(8), Fp64Norm(8), GoodNorm(8))
+    class EpsOutsideNorm(CenteredNorm):  # its eps shows only on rows whose mean(x²) is near eps
+        def forward(self, x):
+            return x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.eps) * self.weight
+
+    model = nn.Sequential(CenteredNorm(8), OtherEpsNorm(8), Fp64Norm(8), GoodNorm(8), EpsOutsideNorm(8))
     with caplog.at_level(logging.INFO, logger="tempo.integrations.patch"):
         apply_tempo(model)
-    assert [type(m).__name__ for m in model] == ["CenteredNorm", "OtherEpsNorm", "Fp64Norm", "InplaceRMSNorm"]
-    for index, cls in ((0, "CenteredNorm"), (1, "OtherEpsNorm")):
+    assert [type(m).__name__ for m in model] == ["CenteredNorm", "OtherEpsNorm", "Fp64Norm", "InplaceRMSNorm",
+                                                 "EpsOutsideNorm"]
+    for index, cls in ((0, "CenteredNorm"), (1, "OtherEpsNorm"), (4, "EpsOutsideNorm")):
         line = [m for m in caplog.messages if m.startswith(f"apply_tempo: left {index} ({cls}) alone:")]
         assert len(line) == 1, caplog.messages
         assert "it computes neither x·rsqrt(mean(x²) + eps)·w (in torch.float32 it differs by" in line[0]
