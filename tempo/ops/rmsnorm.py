@@ -164,6 +164,15 @@ DTYPE_RULES: dict[str, Callable[[torch.dtype, torch.dtype], torch.dtype]] = {
     "weight_if_16bit": lambda x, w: w if w in _HALF else torch.promote_types(x, w),
 }
 
+# The backward's warps: one step above the LayerNorm's. With the LayerNorm's (4 warps at 1024 features, 8
+# for the wide row sums), triton 3.6's ptxas (the GPU image's) spills 4-8 bytes of registers in these two
+# kernels on sm_80 with kept columns (the compile gate under torch 2.11 found it; triton 3.9 does not).
+_ROW_SUMS_WARPS = 16
+
+
+def _bwd_warps(block_n: int) -> int:
+    return max(_num_warps(block_n), 8) if block_n >= 1024 else _num_warps(block_n)
+
 
 def output_dtype(rule: str, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype]) -> torch.dtype:
     """The dtype a stock RMSNorm of dtype rule ``rule`` returns for an input of ``x_dtype`` (no weight:
@@ -344,13 +353,13 @@ def _rmsnorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tens
         if not wide:
             _rmsnorm_bwd_kernel[(programs,)](
                 grad_y, y, w_arg, inv_w, rstd, slots, kept_arg, k, dx, *tail,
-                **flags, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+                **flags, BLOCK_N=block_n, num_warps=_bwd_warps(block_n),
             )
         else:
             sums = torch.empty((rows,), dtype=torch.float32, device=y.device)
             _rmsnorm_bwd_row_sums_kernel[(rows,)](
                 grad_y, y, w_arg, inv_w, slots, kept_arg, k, sums, n, n, n,
-                **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
+                **flags, CHUNK=_WIDE_CHUNK, num_warps=_ROW_SUMS_WARPS,
             )
             _rmsnorm_bwd_wide_kernel[(programs, chunks)](
                 grad_y, y, w_arg, inv_w, rstd, slots, kept_arg, k, sums, dx, *tail,
