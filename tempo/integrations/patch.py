@@ -63,6 +63,7 @@ from torch import nn
 
 from tempo.choices import TempoChoice
 from tempo.integrations.attention_switch import AttentionSwitch, asks_for_attention_weights, configs_of
+from tempo.integrations.projections import keep_norm_outputs, restore_projections
 from tempo.integrations.bert_family import FusedResidualOutput
 from tempo.integrations.layers import gelu_form
 from tempo.integrations.recipe import ORIGINAL, Options, Recipe, Skip, as_original_class, is_replacement, \
@@ -370,6 +371,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     # 2. Apply: swap them all in, then the attention; undo everything if any step fails.
     applied: list[_Swap] = []
     extras_before = _extras_of(model)
+    projections: list[nn.Module] = []
     try:
         for swap in plan.swaps:
             swap.parent._modules[swap.name] = swap.new
@@ -378,7 +380,10 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
             switch.apply()
         # What the model needs around some replacements (DeBERTa: the call hooks).
         _install_model_hooks(model)
+        # The projections reading a Tempo RMSNorm's output keep it instead of a 16-bit copy.
+        projections.extend(keep_norm_outputs(model))
     except BaseException:
+        restore_projections(projections)
         _put_extras_back(extras_before)
         if switch is not None:
             switch.undo()
@@ -388,7 +393,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         raise
     # Data only (the choice, and the switch's config objects, all inside this model): a deep copy or a
     # pickled model carries its own and reverts without touching this one.
-    model.__dict__[_STATE] = {"options": options, "switch": switch}
+    model.__dict__[_STATE] = {"options": options, "switch": switch, "projections": projections}
     _prepare_swapped(model, plan.swaps)
     _log(model, plan, switch)
     return model
@@ -472,6 +477,7 @@ def revert_tempo(model: nn.Module) -> nn.Module:
             states.append(module.__dict__.pop(_STATE))
     _remove_model_hooks(model)
     for state in states:
+        restore_projections(state.get("projections", []))
         switch = state.get("switch")
         if switch is not None:
             switch.undo()
