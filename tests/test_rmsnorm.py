@@ -415,6 +415,40 @@ def test_ledger_keeps_y_and_rstd_plus_the_kept_columns(backend, device, unit_off
     assert ledger.activation_bytes == rows * n * 2 + rows * 4
 
 
+@pytest.mark.parametrize("unit_offset", FORMS)
+def test_a_narrower_input_is_kept_instead_of_y(backend, device, unit_offset, monkeypatch):
+    """A bf16 input with an fp32 output (the "promote" rule, fp32 weight: Qwen3's q/k norms of an
+    autocast projection): x is kept (2 bytes per element, not y's 4), and backward recomputes y with
+    the forward's kernel: output and gradients bitwise those of the y-keeping op, kept columns too."""
+    import tempo.ops.rmsnorm as rmsnorm
+
+    n, rows = 32, 6
+    torch.manual_seed(0)
+    module = InplaceRMSNorm(n, unit_offset=unit_offset, dtype_rule="promote", device=device)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(n) * 3)
+        module.weight[[3, 17]] = -1.0 if unit_offset else 0.0  # two kept columns
+    x = (torch.randn(rows, n, device=device) * 5).bfloat16().requires_grad_()
+    g = torch.randn(rows, n, device=device)
+    results = []
+    for keep_x in (True, False):
+        monkeypatch.setattr(rmsnorm, "keeps_input", lambda x_dtype, out_dtype, keep=keep_x: keep)
+        with ActivationLedger(module) as ledger:
+            y = module(x)
+        assert y.dtype == torch.float32
+        dx, dw = torch.autograd.grad(y, [x, module.weight], g)
+        kept = [(r.shape, r.dtype) for r in ledger.records if not r.is_parameter]
+        results.append((y, dx, dw, kept, ledger.activation_bytes))
+    (y1, dx1, dw1, kept1, bytes1), (y0, dx0, dw0, kept0, bytes0) = results
+    assert kept1[0] == ((rows, n), torch.bfloat16) and kept0[0] == ((rows, n), torch.float32)
+    assert bytes0 - bytes1 == rows * n * (4 - 2)
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0) and torch.equal(dw1, dw0)
+    monkeypatch.undo()
+    assert rmsnorm.keeps_input(torch.bfloat16, torch.float32)
+    assert not rmsnorm.keeps_input(torch.float32, torch.float32)
+    assert not rmsnorm.keeps_input(torch.bfloat16, torch.bfloat16)
+
+
 ROWS = 6
 
 

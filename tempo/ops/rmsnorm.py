@@ -87,7 +87,14 @@ gradients within 1e-5 of it, and under bf16 autocast the same output (Llama, Gem
 bitwise in these tests; Qwen3's q/k norms, whose bf16 input the stock rounds x̂ to before the fp32
 weight, differ by that rounding: 2.6e-3, and 3 % closer to fp32) with gradients as close to the
 fp32 model's as the stock ones. What it costs is y kept in fp32 where the stock dtype is fp32 (4
-bytes per element, against stock's 8), beside the next Linear's own bf16 copy.
+bytes per element, against stock's 8); the projections reading it keep that very tensor instead of
+their own bf16 copies (``InputKeepingLinear``, tempo.ops.linear, switched in by apply_tempo).
+
+Which tensor is kept. y, except where x is narrower than y (``keeps_input``: a bf16 x with an fp32
+output, as Qwen3's q/k norms of an autocast projection under the "promote" rule): there x (2 bytes
+per element instead of 4), and backward first recomputes y from x with the forward op itself (the
+same kernel, the same kept-column plan: bitwise the forward's y), then runs the same backward. The
+recomputation is one element-wise pass; the gradients are those of the y-keeping op, bit for bit.
 
 No backward, no cost: when the output cannot reach a backward pass (grad mode off, or neither the
 input nor w requires grad) the op keeps nothing and runs the stock computation (the reference
@@ -477,13 +484,23 @@ def _(grad_y, y, rstd, kept_cols, kept_xhat, normalized_ndim, weight, unit_offse
     return y.new_empty(y.shape, dtype=x_dtype), dw
 
 
+def keeps_input(x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether the op keeps x instead of y: only where x is the narrower of the two (a bf16 input
+    with an fp32 output, Qwen3's q/k norms of an autocast projection under the "promote" rule);
+    backward then recomputes y from x with the forward's own kernel (module docstring, "Which
+    tensor is kept")."""
+    return torch.empty((), dtype=x_dtype).element_size() < torch.empty((), dtype=out_dtype).element_size()
+
+
 def _fwd_setup_context(ctx, inputs, output):
-    x, normalized_ndim, weight, _plan, _eps, unit_offset, _out_dtype, backend, _name = inputs
+    x, normalized_ndim, weight, _plan, eps, unit_offset, out_dtype, backend, name = inputs
     y, rstd, kept_cols, kept_xhat = output
     # The output, not the input: y is the tensor the next layer keeps anyway; x̂ only of the
-    # columns where y cannot give it back.
-    ctx.save_for_backward(y, rstd, kept_cols, kept_xhat, weight)
+    # columns where y cannot give it back. Unless x is narrower than y: then x, and y is recomputed.
+    ctx.recompute = keeps_input(x.dtype, out_dtype)
+    ctx.save_for_backward(x if ctx.recompute else y, rstd, kept_cols, kept_xhat, weight)
     ctx.x_dtype, ctx.normalized_ndim, ctx.unit_offset = x.dtype, normalized_ndim, unit_offset
+    ctx.eps, ctx.out_dtype, ctx.name = eps, out_dtype, name
     # The backend the forward ran, not whatever use_backend() says when backward runs (on CUDA
     # that is autograd's device thread).
     ctx.backend = backend
@@ -492,6 +509,9 @@ def _fwd_setup_context(ctx, inputs, output):
 
 def _fwd_backward(ctx, grad_y, _grad_rstd, _grad_cols, _grad_kept):
     y, rstd, kept_cols, kept_xhat, weight = ctx.saved_tensors
+    if ctx.recompute:  # y from the kept x by the forward's kernel, with the forward's plan: bitwise its y
+        y = call_with_plan(torch.ops.tempo.rmsnorm_fwd, kept_cols, y, ctx.normalized_ndim, weight, kept_cols,
+                           ctx.eps, ctx.unit_offset, ctx.out_dtype, ctx.backend, ctx.name)[0]
     dx, dw = torch.ops.tempo.rmsnorm_bwd(grad_y.contiguous(), y, rstd, kept_cols, kept_xhat, ctx.normalized_ndim,
                                          weight, ctx.unit_offset, ctx.x_dtype, ctx.backend)
     return dx, None, dw if weight is not None else None, None, None, None, None, None, None
