@@ -49,9 +49,15 @@ class FakeH100:
         return int(FLASH)
 
     @staticmethod
-    def takes(backend, q, k, v, mask, p, is_causal):
-        """Whether torch 2.11 on sm90 would take the call on ``backend`` (the parts that matter here)."""
+    def takes(backend, q, k, v, mask, p, is_causal, enable_gqa=False):
+        """Whether torch 2.11 on sm90 would take the call on ``backend`` (the parts that matter here).
+        Grouped-query heads (k, v with fewer heads than q): only with enable_gqa, and then flash,
+        cuDNN and math take them; the efficient kernel checks equal heads (sdp_utils'
+        ``check_batch_size_and_num_heads_dense<false>``)."""
         half = q.dtype in (torch.float16, torch.bfloat16)
+        if not q.is_nested and k.shape[1] != q.shape[1]:
+            if not enable_gqa or backend == EFFICIENT:
+                return False
         if backend == FLASH:
             return mask is None and half and q.shape[-1] == v.shape[-1] <= 256
         if backend == EFFICIENT:
@@ -89,23 +95,25 @@ class FakeH100:
             order = [b for b in (FLASH, EFFICIENT, MATH, CUDNN) if b in enabled]
             chosen = next((b for b in order if self.takes_nested(b, q, k, v, dropout_p, is_causal)), None)
         else:
-            chosen = next((b for b in enabled if self.takes(b, q, k, v, attn_mask, dropout_p, is_causal)), None)
+            gqa = kwargs.get("enable_gqa", False)
+            chosen = next((b for b in enabled if self.takes(b, q, k, v, attn_mask, dropout_p, is_causal, gqa)), None)
         self.calls.append(dict(enabled=enabled, priority=torch._C._get_sdp_priority_order(), chosen=chosen,
-                               mask=attn_mask, p=dropout_p, is_causal=is_causal, scale=scale, nested=q.is_nested))
+                               mask=attn_mask, p=dropout_p, is_causal=is_causal, scale=scale, nested=q.is_nested,
+                               enable_gqa=kwargs.get("enable_gqa", False), kv_heads=k.shape[1]))
         assert chosen is not None, f"No viable backend (enabled {enabled})"
         if q.is_nested and chosen in (FLASH, EFFICIENT):
             # _sdpa_nested_preprocessing: cu_seqlens and max_seqlen of q and k, min_seqlen of q.
             qt, kt = q.transpose(1, 2), k.transpose(1, 2)
             qt._get_max_seqlen(), kt._get_max_seqlen(), qt._get_min_seqlen()
-        return self.compute(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        return self.compute(q, k, v, attn_mask, dropout_p, is_causal, scale, kwargs.get("enable_gqa", False))
 
     @staticmethod
-    def compute(q, k, v, attn_mask, dropout_p, is_causal, scale):
+    def compute(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa=False):
         """The result, on the CPU: the math kernel (per sequence for nested inputs, causal too)."""
         if not q.is_nested:
             with sdpa_kernel([MATH]):
                 return _REAL_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                  scale=scale)
+                                  scale=scale, enable_gqa=enable_gqa)
         qv, kv, vv = (t.transpose(1, 2).values() for t in (q, k, v))  # [T, H, D]
         offsets = q.offsets()
         bounds = offsets.tolist()
@@ -431,6 +439,54 @@ def test_seed_with_dropout_on_the_fused_path_is_an_error(h100):
 # ------------------------------------------------------------------------------------------------
 # No backward: the stock sdpa, nothing kept
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_grouped_query_heads_go_to_flash_unexpanded(h100, dtype):
+    """k, v with fewer heads than q (enable_gqa): flash alone is offered, with enable_gqa=True and
+    k, v at their own heads, so flash keeps them so; the result is sdpa's on the expanded heads."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 64, 64).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 2, 64, 64).to(dtype).requires_grad_() for _ in range(2))
+    out = efficient_attention(q, k, v, enable_gqa=True)
+    (call,) = h100.calls
+    assert call["enabled"] == [FLASH] and call["chosen"] == FLASH
+    assert call["enable_gqa"] is True and call["kv_heads"] == 2
+    with sdpa_kernel([MATH]):
+        ref = _REAL_SDPA(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("case", ["mask", "fp32", "flash off"])
+def test_grouped_query_heads_without_flash_are_expanded_for_the_efficient_kernel(h100, case, caplog):
+    """Where flash does not take the call, the efficient kernel (no grouped heads in torch) gets k and
+    v expanded to the query heads, logged once; never cuDNN with grouped heads."""
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    q = torch.randn(2, 4, 64, 64).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 2, 64, 64).to(dtype).requires_grad_() for _ in range(2))
+    mask = _padding_mask(2, 64, "bool", dtype) if case == "mask" else None
+    attn_mod._expanded_logged = False
+    with caplog.at_level(logging.INFO, logger="tempo"):
+        if case == "flash off":
+            with sdpa_kernel([EFFICIENT, CUDNN]):
+                efficient_attention(q, k, v, enable_gqa=True)
+        else:
+            efficient_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    (call,) = h100.calls
+    assert call["chosen"] == EFFICIENT and call["enable_gqa"] is False and call["kv_heads"] == 4
+    assert any("expanded to the query heads" in r.getMessage() for r in caplog.records)
+
+
+def test_grouped_query_heads_need_enable_gqa_and_a_divisor():
+    q, k = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        efficient_attention(q, k, k)
+    with pytest.raises(ValueError, match="dividing the number of 'q' heads"):
+        efficient_attention(q, torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8), enable_gqa=True)
+    with pytest.raises(ValueError, match="same number of heads"):
+        efficient_attention(q, k, torch.randn(1, 1, 8, 8), enable_gqa=True)
+    with pytest.raises(TypeError, match="'enable_gqa' must be a bool"):
+        efficient_attention(q, k, k, enable_gqa=1)
+
+
 def test_no_backward_on_cuda_offers_math_after_the_fused_kernels(h100, caplog):
     q, k, v = _qkv(torch.float64, grad=False)
     efficient_attention(q, k, v)  # fp64: no fused kernel, the stock math one

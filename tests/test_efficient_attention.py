@@ -896,3 +896,41 @@ def test_cuda_fp64_falls_back_to_reference_and_logs_once(caplog):
     ref = _reference(q.cpu(), k.cpu(), v.cpu(), g.cpu())
     for name, a, r in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), ref):
         _close(a.cpu(), r, torch.float64, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped-query attention (enable_gqa): k and v kept at their own heads
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_query_heads_equal_the_expanded_call_and_keep_k_v_unexpanded(dtype, p, masked):
+    """enable_gqa=True on k, v of 2 heads for 6 query heads: output bitwise the call on k, v expanded
+    (repeat_interleave, as repeat_kv), the same dropout mask for one seed, gradients of q equal and of
+    k, v the group sums (fp32 bitwise; 16-bit: summed in fp32 before one rounding, so within one unit
+    of the dtype); kept for backward: k and v at 2 heads, 1/3 of the expanded bytes."""
+    torch.manual_seed(0)
+    b, h, kv, s, d = 2, 6, 2, 37, 8
+    q = (torch.randn(b, h, s, d) * 3).to(dtype).requires_grad_()
+    k, v = ((torch.randn(b, kv, s, d) * 3).to(dtype).requires_grad_() for _ in range(2))
+    mask = (torch.rand(b, 1, 1, s) > 0.3) if masked else None
+    seed = torch.tensor(1234)
+    g = torch.randn(b, h, s, d).to(dtype)
+    with ActivationLedger() as grouped:
+        out = efficient_attention(q, k, v, attn_mask=mask, dropout_p=p, seed=seed, enable_gqa=True)
+    dq, dk, dv = torch.autograd.grad(out, [q, k, v], g)
+    k_e, v_e = (t.detach().repeat_interleave(3, 1).requires_grad_() for t in (k, v))
+    with ActivationLedger() as expanded:
+        out_e = efficient_attention(q, k_e, v_e, attn_mask=mask, dropout_p=p, seed=seed)
+    dq_e, dk_e, dv_e = torch.autograd.grad(out_e, [q, k_e, v_e], g)
+    assert torch.equal(out, out_e) and torch.equal(dq, dq_e)
+    for a, member in ((dk, dk_e), (dv, dv_e)):
+        member = member.float().view(b, kv, 3, s, d)
+        e = member.sum(2)
+        if dtype == torch.float32:
+            assert torch.equal(a, e)
+        else:  # each member rounded to the dtype (the expanded call) against one rounding here
+            assert ((a.float() - e).abs() <= 4 * torch.finfo(dtype).eps * member.abs().sum(2)).all()
+    kv_bytes = 2 * b * kv * s * d * q.element_size()
+    assert expanded.activation_bytes - grouped.activation_bytes == 2 * kv_bytes  # 3 heads each, not 1
+    assert dk.shape == k.shape and dv.shape == v.shape

@@ -776,10 +776,10 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     if eager_only or attention_weights_requested(kwargs):
         return _run_eager(module, query, key, value, attention_mask, scaling, dropout, head_mask, bool(is_causal),
                           eager_only, kwargs)
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv head
-        groups = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    if key.shape[1] != query.shape[1] and core is not _efficient_core:
+        # Grouped-query attention for Combined: each kv head shared by its query heads (repeat_kv's
+        # copies). The efficient core takes k and v at their own heads (enable_gqa), never expanded.
+        key, value = _at_query_heads(key, value, query.shape[1])
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, : key.shape[-2]]
@@ -791,6 +791,7 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
         if mask is None and bias is None and core is _efficient_core:
             from tempo.ops.attention import efficient_attention_varlen
 
+            key, value = _at_query_heads(key, value, h)  # the varlen op has no grouped heads: expanded
             q, k, v = (x.transpose(1, 2).reshape(b * l, h, x.shape[-1]) for x in (query, key, value))
             out = efficient_attention_varlen(q, k, v, cu, longest, dropout_p=float(dropout), training=module.training,
                                              scale=scaling, is_causal=bool(is_causal), min_seqlen=shortest)
@@ -805,6 +806,13 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     if head_mask is not None:
         out = out * _per_head(head_mask)
     return out.transpose(1, 2), None
+
+
+def _at_query_heads(key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    groups = heads // key.shape[1]
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
 
 
 def _run_eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -878,7 +886,8 @@ def _efficient_core(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Te
     if causal and bias is not None:
         mask, causal = _causal_keep(query, key), False
     return efficient_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                               scale=scaling, training=training, attn_bias=bias)
+                               scale=scaling, training=training, attn_bias=bias,
+                               enable_gqa=key.shape[1] != query.shape[1])
 
 
 def tempo_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,

@@ -314,7 +314,7 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], 
     if out.numel() == 0 and stats.numel() == 0:
         return out, stats
     qs = q.to(cdt) * scale  # O(s·d) transients; scaling q is cheaper than scaling every score
-    kc, vc = k.to(cdt), v.to(cdt)
+    kc, vc = _query_heads(k.to(cdt), h), _query_heads(v.to(cdt), h)  # grouped-query: each kv head shared
     mask4, bias4 = _as_4d(mask), _as_4d(bias)
     dropout = p > 0.0
     seed_int = int(seed.item()) if dropout else 0  # host sync: this is the CPU / fallback path
@@ -355,6 +355,22 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], 
     return out, stats
 
 
+def _query_heads(t: Tensor, heads: int) -> Tensor:
+    """k or v at the query heads (grouped-query attention: head j serves query heads j·g to j·g + g − 1,
+    as sdpa's ``enable_gqa`` and transformers' ``repeat_kv``); a transient of the op, never kept."""
+    groups = heads // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _kv_heads(t: Tensor, kv_heads: int) -> Tensor:
+    """A gradient at the query heads summed back to the kv heads (``_query_heads``' adjoint), in the
+    compute dtype: one rounding to the input's dtype afterwards."""
+    b, heads = t.shape[0], t.shape[1]
+    if heads == kv_heads:
+        return t
+    return t.view(b, kv_heads, heads // kv_heads, *t.shape[2:]).sum(dim=2)
+
+
 def _reduce_to(t: Tensor, shape: torch.Size) -> Tensor:
     """Sum ``t`` over the dims where ``shape`` has size 1 (broadcast dims of a mask tile)."""
     dims = [i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1]
@@ -371,13 +387,13 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     s_q, s_k = q.shape[2], k.shape[2]
     cdt = _compute_dtype(q.dtype)
     qs = q.to(cdt) * scale
-    kc, vc = k.to(cdt), v.to(cdt)
+    kc, vc = _query_heads(k.to(cdt), q.shape[1]), _query_heads(v.to(cdt), q.shape[1])
     g = grad_out.to(cdt)
     # D_i = sum_j P_ij dP_ij = rowsum(dO * O), dropout included (O already holds it).
     delta = (g * out.to(cdt)).sum(dim=-1)
     dq = torch.zeros_like(q, dtype=cdt)
-    dk = torch.zeros_like(k, dtype=cdt)
-    dv = torch.zeros_like(v, dtype=cdt)
+    dk = torch.zeros_like(kc)  # at the query heads: summed to the kv heads at the end
+    dv = torch.zeros_like(vc)
     mask4, bias4 = _as_4d(mask), _as_4d(bias)
     dmask4 = torch.zeros(mask4.shape, dtype=cdt, device=q.device) if mask_needs_grad else None
     dbias4 = torch.zeros(bias4.shape, dtype=cdt, device=q.device) if bias_needs_grad else None
@@ -412,6 +428,7 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     dq.mul_(scale)
     dmask = dmask4.reshape(mask.shape).to(mask.dtype) if dmask4 is not None else q.new_empty(0)
     dbias = dbias4.reshape(bias.shape).to(bias.dtype) if dbias4 is not None else q.new_empty(0)
+    dk, dv = _kv_heads(dk, k.shape[1]), _kv_heads(dv, v.shape[1])
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, dbias
 
 
@@ -657,25 +674,56 @@ def _fused_mask(mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: float, is_causal: bool,
-          scale: float, backends: list) -> Tensor:
+          scale: float, backends: list, enable_gqa: bool = False) -> Tensor:
     """sdpa with exactly ``backends`` enabled, in that priority order; the caller's switches and
     priority order are as they were afterwards."""
     from torch.nn.attention import sdpa_kernel
 
+    gqa = {"enable_gqa": True} if enable_gqa else {}
     if torch.compiler.is_compiling():
         # Dynamo traces sdpa_kernel itself: the graph enables these backends around the call.
         with sdpa_kernel(backends, set_priority=True):
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale, **gqa)
     # sdpa_kernel(set_priority=True) restores the enabled backends but not the priority of the
     # disabled ones (they come back after ours): put the caller's exact order back.
     saved = torch._C._get_sdp_priority_order()
     try:
         with sdpa_kernel(backends, set_priority=True):
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale)
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, scale=scale, **gqa)
     finally:
         torch._C._set_sdp_priority_order(saved)
+
+
+def _grouped_for_fused(q: Tensor, k: Tensor, v: Tensor, backends: list) -> tuple[Tensor, Tensor, list, bool]:
+    """Grouped-query k, v for the fused kernels: (k, v, backends, enable_gqa). torch's flash kernel
+    takes fewer kv heads as they are (sdp_utils' ``check_batch_size_and_num_heads_dense<true>``; its
+    backward sums dk, dv over each group itself) and keeps them so: only flash is offered then. The
+    efficient kernel checks equal heads (``<false>``), and cuDNN's acceptance of grouped heads is not
+    offered here (not verified on a GPU): without flash (a mask, fp32, flash off) k and v are expanded
+    to the query heads, as transformers' ``repeat_kv``, and the kernel keeps the copies, logged once."""
+    from torch.nn.attention import SDPBackend
+
+    if SDPBackend.FLASH_ATTENTION in backends:
+        return k, v, [SDPBackend.FLASH_ATTENTION], True
+    _log_expanded_once()
+    heads = q.shape[1]
+    return _query_heads(k, heads), _query_heads(v, heads), backends, False
+
+
+_expanded_logged = False
+
+
+@torch.compiler.assume_constant_result
+def _log_expanded_once() -> bool:
+    global _expanded_logged
+    if not _expanded_logged:
+        _expanded_logged = True
+        logger.info("%s: grouped-query attention where flash does not take the call (a mask, fp32, flash off): "
+                    "k and v are expanded to the query heads for the efficient kernel, which keeps the "
+                    "expanded copies (as stock sdpa after repeat_kv)", _OP)
+    return True
 
 
 @torch.compiler.assume_constant_result
@@ -770,15 +818,26 @@ def _check_broadcasts_to_scores(name: str, tensor: Tensor, q: Tensor, k: Tensor)
                          f"to the scores' shape (batch, heads, s_q, s_k) = {scores}")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                  enable_gqa: bool = False) -> None:
     _check_qkv(q, k, v, _OP, "batch, heads, seq, head_dim")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{_OP}: arguments 'q', 'k', 'v' must be on the same device, got "
                          f"{q.device}, {k.device}, {v.device}")
-    for dim, what in ((0, "batch"), (1, "heads")):
-        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
-            raise ValueError(f"{_OP}: arguments 'q', 'k', 'v' must have the same {what} size (dim {dim}), "
-                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"{_OP}: argument 'enable_gqa' must be a bool, got {type(enable_gqa).__name__}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"{_OP}: arguments 'q', 'k', 'v' must have the same batch size (dim 0), "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if enable_gqa:  # sdpa's rule: k and v share a head count that divides q's
+        if k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+            raise ValueError(f"{_OP}: with enable_gqa=True, 'k' and 'v' must have the same number of heads "
+                             f"(dim 1), dividing the number of 'q' heads, got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    elif not (q.shape[1] == k.shape[1] == v.shape[1]):
+        raise ValueError(f"{_OP}: arguments 'q', 'k', 'v' must have the same heads size (dim 1), "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (grouped-query "
+                         f"attention: pass enable_gqa=True)")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"{_OP}: arguments 'q' and 'k' must have the same head dim, got "
                          f"q {tuple(q.shape)} and k {tuple(k.shape)}")
@@ -804,9 +863,9 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
 def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                         dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                         training: bool = True, *, seed: Optional[Tensor] = None,
-                        attn_bias: Optional[Tensor] = None) -> Tensor:
+                        attn_bias: Optional[Tensor] = None, enable_gqa: bool = False) -> Tensor:
     """``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p if training else 0, is_causal,
-    scale)`` keeping O(s) per query row for backward (see the module docstring).
+    scale, enable_gqa=enable_gqa)`` keeping O(s) per query row for backward (see the module docstring).
 
     Returns (b, h, s_q, d_v), stored as (b, s_q, h, d_v) when it keeps anything for backward.
     Pass ``training=self.training``. ``seed`` (0-d integer tensor, reference path only) fixes the
@@ -820,6 +879,13 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     scores' gradient summed over its broadcast dims). Not cast under autocast (it is no sdpa
     argument; it is added in the op's fp32 compute, so a learned bias keeps its precision). See
     "CUDA dispatch" for which kernel takes it.
+
+    ``enable_gqa`` (sdpa's): k and v may have fewer heads than q, a divisor of them (grouped-query
+    attention: kv head j serves query heads j·g .. j·g + g − 1). They are kept at their own heads,
+    never expanded: the reference op shares each kv head inside its tiles and sums the gradient
+    back; on CUDA the flash kernel takes them as they are. Where only the efficient kernel takes the
+    call (a mask, fp32, flash switched off) k and v are expanded first, as transformers'
+    ``repeat_kv`` does, and that kernel keeps the expanded copies (logged once).
     """
     if attn_bias is not None:
         # The bias is checked before autocast so that a bad one is named as the caller passed it.
@@ -828,7 +894,7 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         _check_bias(attn_bias, q, k, is_causal)
     # sdpa's autocast policy first (mixed q, k, v under autocast are sdpa's normal case: RoPE).
     q, k, v, attn_mask = autocast_like_sdpa(q, k, v, attn_mask)
-    _check_inputs(q, k, v, attn_mask, is_causal)
+    _check_inputs(q, k, v, attn_mask, is_causal, enable_gqa)
     p = check_probability(dropout_p, "dropout_p", _OP)
     if not training:
         p = 0.0
@@ -846,8 +912,9 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     grad = needs_backward(q, k, v, attn_mask, attn_bias) or p > 0.0
     seeded = seed is not None and p > 0.0  # a mask fixed by seed: only the reference op draws it
 
-    if not grad and not seeded:
-        out = _stock_attention(q, k, v, _merged_mask(attn_mask, attn_bias), p, is_causal, scale)
+    if not grad and not seeded:  # nothing kept: k and v at the query heads, a transient
+        out = _stock_attention(q, _query_heads(k, q.shape[1]), _query_heads(v, q.shape[1]),
+                               _merged_mask(attn_mask, attn_bias), p, is_causal, scale)
         if out is not None:
             return out
     elif _is_cuda(q) and requested_backend() != "reference":
@@ -869,7 +936,10 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
                     raise ValueError(f"{_OP}: argument 'seed' applies to the reference path only; on CUDA "
                                      f"the fused sdpa kernels draw dropout from torch's CUDA RNG "
                                      f"(use use_backend('reference') to fix the mask by seed)")
-                return _sdpa(q, k, v, _fused_mask(mask, q), p, is_causal, scale, backends)
+                gqa = k.shape[1] != q.shape[1]
+                if gqa:
+                    k, v, backends, gqa = _grouped_for_fused(q, k, v, backends)
+                return _sdpa(q, k, v, _fused_mask(mask, q), p, is_causal, scale, backends, gqa)
             _log_fallback_once(_no_fused_reason(q, v, mask, p, is_causal, st))
 
     seed = _resolve_seed(seed, p, q.device)
