@@ -108,6 +108,40 @@ def test_the_composed_peak_is_the_traced_peak_of_the_whole_model(tempo):
             assert -0.005 <= composed / traced - 1 <= 0.01, (name, batch, composed, traced)
 
 
+def test_a_segment_whose_peak_moment_moves_with_the_tokens_is_composed_exactly():
+    """The head's backward: at few tokens its peak is the tied word embeddings' fp32 gradient (a
+    constant), at many the logits' fp32 gradient (linear in t). The line through the probe's two
+    peaks (1,024 and 2,048 tokens) fell 670 MiB short at 5,760 tokens of a BERT-large-like model with
+    BERT's vocabulary; the upper envelope of every op's line is the traced peak."""
+    model = bert(layers=4, hidden=1024, heads=4, vocab=30522)
+    layout = probe_layout(["none"])
+    traces = []
+    for batch in (8, 16):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        probe, blocks, _ = fake_probe(model, layout, mode, apply_tempo)
+        traces.append(trace_step(probe, blocks, example_batch(probe, batch, 128), mode, round_to=512))
+    parts = parts_from_traces(traces[0], 1024, traces[1], 2048, layout)
+    composition = compose(parts, ["none"] * 4)
+    traced = _traced_peak(model, ["none"] * 4, 45, 128, apply_tempo)
+    assert composition.peak_at(45 * 128) == pytest.approx(traced, rel=1e-9)
+    assert composition.peak_segment(45 * 128) == ("bwd", 5)  # the head's backward
+
+
+def test_the_upper_envelope_keeps_exactly_the_lines_highest_somewhere_at_nonnegative_t():
+    from tempo.plan.compose import Affine, upper_envelope
+
+    lines = [Affine(10.0, 0.0), Affine(0.0, 1.0), Affine(6.0, 0.5), Affine(-100.0, 3.0), Affine(2.0, 0.0),
+             Affine(20.0, -1.0), Affine(0.0, 1.0)]
+    kept = upper_envelope(lines)
+    # (10, 0) is never the highest: (20 - t) beats it until (6 + t/2) does; (2, 0) is below (10, 0).
+    assert [(l.a, l.b) for l in kept] == [(20.0, -1.0), (6.0, 0.5), (0.0, 1.0), (-100.0, 3.0)]
+    for t in [0.0, 1.0, 5.0, 9.0, 9.5, 10.0, 12.0, 20.0, 49.0, 50.0, 51.0, 1e3, 1e6]:
+        assert max(l.at(t) for l in kept) == max(l.at(t) for l in lines)
+    assert upper_envelope([Affine(3.0, 2.0)]) == [Affine(3.0, 2.0)]
+    # A line highest only at t < 0 is dropped.
+    assert upper_envelope([Affine(5.0, -1.0), Affine(6.0, 0.0)]) == [Affine(6.0, 0.0)]
+
+
 # -- the predicted peak against PyTorch's own tracker ----------------------------------------------
 def _memtracker_peak(model, plan, semantics="cuda", real=False):
     """MemTracker's peak over two training steps (the second has the optimizer states) of ``model``
@@ -171,6 +205,77 @@ def test_the_predicted_peak_is_never_below_memtracker_and_within_5_percent_on_fa
     predicted = plan.peak_bytes - plan.peak.cublas_workspace
     assert tracked <= predicted <= 1.05 * tracked, (predicted, tracked)
     assert plan.peak_bytes <= plan.budget
+
+
+def _published(family):
+    """transformers' model of ``family`` (every family of ``python -m tempo.memory``) at its published
+    geometry, depth and vocabulary, on the meta device, with a head that has a loss: masked LM where
+    the family has one, else causal LM."""
+    from tempo.bench.ledger_table import FAMILIES, FAMILY_DEPTH, family_unavailable
+
+    why = family_unavailable(family)
+    if why is not None:
+        pytest.skip(f"{family}: {why}")
+    _label, cls_name, fields = FAMILIES[family]
+    depth, vocab = FAMILY_DEPTH[family]
+    config = getattr(transformers, cls_name)(vocab_size=vocab, num_hidden_layers=depth, **fields)
+    for head in (transformers.AutoModelForMaskedLM, transformers.AutoModelForCausalLM):
+        try:
+            with torch.device("meta"):
+                return head.from_config(config)
+        except ValueError:
+            continue
+    raise AssertionError(f"{family}: no masked or causal LM head in transformers {transformers.__version__}")
+
+
+_FAMILY_BUDGETS = {"llama-3.2-1b": "40GiB"}  # its weights and AdamW states take 16.8 GiB of 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert-large", "minilm", "deberta-v3-large", "modernbert-large", "mpnet-base",
+                                    "eurobert-210m", "embeddinggemma-300m", "nomicbert", "gte-multilingual-base",
+                                    "jina-v3", "llama-3.2-1b", "qwen3-0.6b"])
+def test_every_family_at_its_published_size_is_never_below_memtracker(family):
+    """Every family of ``python -m tempo.memory`` at its published depth, width and vocabulary, s = 512,
+    planned for 24 GiB (Llama-3.2-1B 40 GiB) and run for two AdamW steps on fake tensors under
+    MemTracker: measured 1.006 to 1.010 of MemTracker's peak (the plan's 1 % composition margin).
+    At a few layers MemTracker's own module hooks hold one more gradient of a block's output through
+    its backward (2h bytes per token: the plan's timeline rises by exactly that when MemTracker runs
+    beside it), which the margin does not cover; a real step without MemTracker never allocates it."""
+    model = _published(family)
+    plan = tp.plan(model, budget=_FAMILY_BUDGETS.get(family, "24GiB"), lengths=512, device="h100")
+    tracked = _memtracker_peak(model, plan)
+    predicted = plan.peak_bytes - plan.peak.cublas_workspace
+    assert tracked <= predicted <= 1.05 * tracked, (family, predicted, tracked)
+
+
+def test_memtrackers_own_hooks_hold_one_more_gradient_of_the_last_blocks_output():
+    """Why a few-layer model can sit above the plan under MemTracker: the same step's timeline, with
+    MemTracker running beside it, peaks exactly one bf16 [tokens, h] tensor higher."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tempo.plan.trace import MemoryTimeline
+
+    model = bert(layers=1, hidden=1024, heads=4, vocab=1000)
+    peaks = []
+    for with_tracker in (False, True):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        whole = structure_copy(model)
+        apply_tempo(whole)
+        fake_parameters(whole, mode)
+        whole.train()
+        inputs = example_batch(whole, 16, 128)
+        timeline, tracker = MemoryTimeline(512), MemTracker()
+        if with_tracker:
+            tracker.track_external(whole)
+        with mode, CudaSemantics(), _RealWhereValuesMatter(), timeline, (
+                tracker if with_tracker else contextlib.nullcontext()):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                output = whole(**inputs)
+            timeline.enter(("bwd", 2))
+            output.loss.backward()
+        peaks.append(max(r.peak for r in timeline.segments.values()))
+    assert peaks[1] - peaks[0] == 16 * 128 * 1024 * 2
 
 
 def test_the_predicted_peak_holds_for_a_real_cpu_step_of_a_small_bert():

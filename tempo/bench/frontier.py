@@ -114,7 +114,7 @@ def _derived_point(name: str, sdpa: Any, counts: dict, budget: int) -> PolicyPoi
     grow = 1.0 + COMPOSITION_MARGIN
     fixed = sdpa.weights + sdpa.states + sdpa.workspace
     lines = []
-    for segment, line in zip(composition.order, composition.peak):
+    for segment, line in zip(composition.peak_segments, composition.peak):
         share = _alive_blocks(segment, layers) / layers if layers else 0.0
         lines.append((fixed + grow * line.a, grow * (line.b - share * saved_per_token)))
     lines.append((fixed + grow * (composition.end.a + sdpa.optimizer_temporary), grow * composition.end.b))

@@ -72,7 +72,7 @@ class Part:
     b: np.ndarray
     made: list
     freed: list
-    excess: dict
+    excess: dict  # per phase: the lines (Affine) whose highest at t is the segment's peak above its start
     kernels: dict = field(default_factory=dict)
     outputs: list = field(default_factory=list)  # indices of its output (the hidden states it hands on)
 
@@ -215,7 +215,7 @@ def _owner_part(trace1: StepTrace, trace2: StepTrace, t1: float, t2: float, owne
         # The segment's peak above its start. Older storages it frees before its peak are those of
         # the probe's neighbours; a composed neighbour of another mode can free another amount
         # there (measured: within 1 % of the step's peak; tempo.plan's margin covers it).
-        excess[phase] = Affine.through(s1.peak - s1.start, t1, s2.peak - s2.start, t2)
+        excess[phase] = excess_lines(s1, t1, s2, t2)
         if target is not None:
             where = f"position {owner} ({phase})"
             eager = [[k for call in s.calls for k in kernels_of(call, target)] for s in (s1, s2)]
@@ -225,6 +225,45 @@ def _owner_part(trace1: StepTrace, trace2: StepTrace, t1: float, t2: float, owne
                      for s, trace in ((s1, trace1), (s2, trace2))]
             kernels[(FUSED, phase)] = _kernel_arrays(*fused, t1, t2, where + " fused")
     return Part(owner, np.array(a), np.array(b), made, freed, excess, kernels, outputs)
+
+
+def excess_lines(s1: Any, t1: float, s2: Any, t2: float) -> list[Affine]:
+    """A segment's peak above its start as lines in t whose highest is the peak: one line per
+    allocating op, through its live bytes at the two token counts (the same ops in both traces),
+    reduced to those highest somewhere at t >= 0. Which op is the peak can change with t (a constant
+    allocation, the tied word embeddings' gradient, is the peak at few tokens and the logits' fp32
+    gradient at many): the line through the two peaks would miss it. Where the two traces' ops do
+    not pair (a data-dependent allocation) the line through the two peaks, as before."""
+    if not s1.events or len(s1.events) != len(s2.events):
+        return [Affine.through(s1.peak - s1.start, t1, s2.peak - s2.start, t2)]
+    lines = [Affine.through(e1 - s1.start, t1, e2 - s2.start, t2) for e1, e2 in zip(s1.events, s2.events)]
+    return upper_envelope(lines + [Affine(0.0, 0.0)])
+
+
+def upper_envelope(lines: Sequence[Affine]) -> list[Affine]:
+    """The lines that are the highest of ``lines`` for some t >= 0, by increasing slope (the convex
+    hull trick); their maximum equals that of all ``lines`` at every t >= 0."""
+    best: dict = {}
+    for line in lines:
+        if line.b not in best or line.a > best[line.b]:
+            best[line.b] = line.a
+    hull: list[tuple[float, float]] = []  # (b, a), slopes increasing
+    for b, a in sorted(best.items()):
+        while len(hull) >= 2:
+            (b1, a1), (b2, a2) = hull[-2], hull[-1]
+            # The middle line is never the highest when the outer two cross before it rises above the first.
+            if (a - a1) * (b2 - b1) >= (a2 - a1) * (b - b1):
+                hull.pop()
+            else:
+                break
+        hull.append((b, a))
+    while len(hull) >= 2:  # the first line's stretch lies at t < 0: drop it
+        (b1, a1), (b2, a2) = hull[0], hull[1]
+        if (a1 - a2) / (b2 - b1) <= 0:
+            hull.pop(0)
+        else:
+            break
+    return [Affine(a, b) for b, a in hull]
 
 
 def _read_after(trace: StepTrace, segment: tuple) -> set:
@@ -254,16 +293,22 @@ class Composition:
     modes: tuple
     order: list
     start: list  # Affine per segment: live bytes at its start
-    peak: list  # Affine per segment: start + excess
+    peak: list  # Affines, one or more per segment (start + each excess line): the step's peak is their max
     end: Affine  # live after backward (the gradients)
     gradients: list  # Affine per segment: of its start, the bytes made in backward and never freed
+    peak_index: list = field(default_factory=list)  # per line of ``peak``: the index of its segment in ``order``
+
+    @property
+    def peak_segments(self) -> list:
+        """Per line of ``peak``: its segment."""
+        return [self.order[i] for i in self.peak_index]
 
     def peak_at(self, t: float) -> float:
         return max(p.at(t) for p in self.peak)
 
     def peak_segment(self, t: float) -> tuple:
         i = int(np.argmax([p.at(t) for p in self.peak]))
-        return self.order[i]
+        return self.order[self.peak_index[i]]
 
 
 def compose(parts: dict[str, Part], modes: Sequence[str]) -> Composition:
@@ -277,7 +322,7 @@ def compose(parts: dict[str, Part], modes: Sequence[str]) -> Composition:
     delta_b = np.zeros(n + 2)
     grad_a = np.zeros(n + 2)
     grad_b = np.zeros(n + 2)
-    excess = [Affine(0.0, 0.0)] * n
+    excess: list[list[Affine]] = [[Affine(0.0, 0.0)]] * n
 
     def place(part: Part, position: int) -> None:
         for a, b, made, freed in zip(part.a, part.b, part.made, part.freed):
@@ -290,8 +335,8 @@ def compose(parts: dict[str, Part], modes: Sequence[str]) -> Composition:
             if freed is None and made[0] == "bwd":  # a gradient (kept for the optimizer)
                 grad_a[made_at + 1] += a
                 grad_b[made_at + 1] += b
-        for phase, line in part.excess.items():
-            excess[index[(phase, position)]] = line
+        for phase, lines in part.excess.items():
+            excess[index[(phase, position)]] = lines
 
     place(parts[(PRE, modes[0])] if modes else parts[PRE], 0)
     for i, mode in enumerate(modes, start=1):
@@ -307,9 +352,13 @@ def compose(parts: dict[str, Part], modes: Sequence[str]) -> Composition:
     live_a = np.cumsum(delta_a)[:n]
     live_b = np.cumsum(delta_b)[:n]
     start = [Affine(float(a), float(b)) for a, b in zip(live_a, live_b)]
-    peak = [Affine(s.a + e.a, s.b + e.b) for s, e in zip(start, excess)]
+    peak, peak_index = [], []
+    for i, (s, lines) in enumerate(zip(start, excess)):
+        for e in lines:
+            peak.append(Affine(s.a + e.a, s.b + e.b))
+            peak_index.append(i)
     gradients = [Affine(float(a), float(b)) for a, b in zip(np.cumsum(grad_a)[:n], np.cumsum(grad_b)[:n])]
-    return Composition(tuple(modes), order, start, peak, start[index[("end",)]], gradients)
+    return Composition(tuple(modes), order, start, peak, start[index[("end",)]], gradients, peak_index)
 
 
 def _resolve(freed, position: int, L: int, index: dict, n: int) -> int:
@@ -354,7 +403,7 @@ def step_seconds(parts: dict[str, Part], modes: Sequence[str], t: float, peak_fl
     return total
 
 
-__all__ = ["Affine", "Composition", "POST", "PRE", "Part", "StructureMismatch", "compose", "parts_from_traces",
-           "probe_layout",
+__all__ = ["Affine", "Composition", "POST", "PRE", "Part", "StructureMismatch", "compose", "excess_lines",
+           "parts_from_traces", "probe_layout", "upper_envelope",
            "step_seconds"]
 

@@ -277,9 +277,10 @@ def _breakdown(composition: Composition, t: int, weights: int, states: int, opti
         gradients = int(composition.end.at(t))
         margin = workspace + int(COMPOSITION_MARGIN * optimizer_peak)
         return PeakParts(weights, gradients, states, 0, optimizer_temporary, margin, "the optimizer step", workspace)
-    segment = composition.order[i]
-    gradients = int(composition.gradients[i].at(t))
-    start = composition.start[i].at(t)
+    j = composition.peak_index[i]
+    segment = composition.order[j]
+    gradients = int(composition.gradients[j].at(t))
+    start = composition.start[j].at(t)
     where = {"fwd": "forward", "bwd": "backward"}.get(segment[0], segment[0])
     position = segment[1] if len(segment) > 1 else None
     blocks = len(composition.modes)

@@ -58,6 +58,11 @@ class SegmentRecord:
     own: int = 0  # bytes made in this segment and alive now
     own_peak: int = 0  # the most of those alive at once (what the segment adds above its start, if
     #                    nothing older were freed before its peak: start + own_peak >= peak)
+    # The live bytes after each op that allocated: the candidates for the peak. At two token counts
+    # they pair one to one (the same ops), so each is a line in the tokens, and the segment's peak
+    # is the highest of those lines at any t, not the line through the two peaks (which moment is
+    # the peak can change with t: a constant weight gradient against the logits' fp32 gradient).
+    events: list = field(default_factory=list)
 
 
 @dataclass
@@ -125,6 +130,7 @@ class MemoryTimeline(Recorder):
             self.segments[self.segment].own -= allocation.nbytes
 
     def _track(self, out: Any) -> None:
+        allocated = False
         for t in pytree.tree_leaves(out):
             if not isinstance(t, Tensor) or t.is_nested:
                 continue
@@ -140,7 +146,10 @@ class MemoryTimeline(Recorder):
             self._refs.append(weakref.ref(storage, lambda _ref, a=allocation: self._freed(a)))
             self.live += allocation.nbytes
             self.segments[self.segment].own += allocation.nbytes
+            allocated = True
         record = self.segments[self.segment]
+        if allocated:
+            record.events.append(self.live)
         record.peak = max(record.peak, self.live)
         record.own_peak = max(record.own_peak, record.own)
 
