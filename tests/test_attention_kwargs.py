@@ -398,3 +398,33 @@ def test_a_packed_row_with_a_position_bias_keeps_the_bias(implementation):
         want = (torch.softmax(scores, -1) @ v[:, :, part]).transpose(1, 2)
         assert torch.allclose(got[:, part], want, rtol=1e-9, atol=1e-9), (implementation, n)
         start += n
+
+
+def test_a_v_that_views_a_fused_qkv_buffer_is_kept_compact(monkeypatch):
+    """ModernBERT's v is a slice of the fused Wqkv output: kept as given it keeps the whole [b, s, 3h]
+    buffer, q's and k's pre-RoPE columns included. Tempo's attention keeps a compact copy: per layer
+    exactly 2h elements per token fewer, the same outputs and the same gradients to fp32 rounding."""
+    from tempo.memory import ActivationLedger
+
+    config = transformers.ModernBertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                           intermediate_size=48, vocab_size=100, global_attn_every_n_layers=2,
+                                           local_attention=8, pad_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = apply_tempo(transformers.ModernBertModel(config))
+    ids = torch.randint(3, 100, (2, 9))
+    results = []
+    for compact in (True, False):
+        if not compact:
+            monkeypatch.setattr(hf_attention, "_compact", lambda t: t)
+        with ActivationLedger(model) as ledger:
+            out = model(input_ids=ids).last_hidden_state
+        grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+        results.append((out, grads, ledger.activation_bytes))
+    (out1, g1, kept1), (out0, g0, kept0) = results
+    assert torch.equal(out1, out0)
+    for a, b in zip(g1, g0):  # the GEMMs read v in another layout: equal to fp32 rounding
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert kept0 - kept1 == config.num_hidden_layers * ids.numel() * 2 * config.hidden_size * 4
+    # A [b, s, h, d] -> [b, h, s, d] transpose of one projection's output is passed as it is.
+    x = torch.randn(2, 9, 2, 16).transpose(1, 2)
+    assert hf_attention._compact(x) is x
