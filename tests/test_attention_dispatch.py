@@ -458,7 +458,8 @@ def test_grouped_query_heads_go_to_flash_unexpanded(h100, dtype):
 @pytest.mark.parametrize("case", ["mask", "fp32", "flash off"])
 def test_grouped_query_heads_without_flash_are_expanded_for_the_efficient_kernel(h100, case, caplog):
     """Where flash does not take the call, the efficient kernel (no grouped heads in torch) gets k and
-    v expanded to the query heads, logged once; never cuDNN with grouped heads."""
+    v expanded to the query heads (beside a mask or in fp32 before the dispatch, on every device),
+    logged once; never cuDNN with grouped heads."""
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
     q = torch.randn(2, 4, 64, 64).to(dtype).requires_grad_()
     k, v = (torch.randn(2, 2, 64, 64).to(dtype).requires_grad_() for _ in range(2))

@@ -289,17 +289,37 @@ def _varlen_flash_backward(call: OpCall, target: Target) -> list[Kernel]:
 # ---------------------------------------------------------------------------------------------
 # Tempo's custom ops, as their CUDA path runs them (tempo/ops/*.py)
 # ---------------------------------------------------------------------------------------------
+def _at_query_heads(t: TensorMeta, heads: int) -> TensorMeta:
+    """k or v expanded to the query heads (grouped-query attention), contiguous."""
+    shape = (t.shape[0], heads, *t.shape[2:])
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return TensorMeta(shape, stride, t.dtype)
+
+
+def _grouped_flops(q: TensorMeta, k: TensorMeta, v: TensorMeta, backward: bool) -> int:
+    """sdpa's flop formula with k and v at the query heads (each kv head serves its group)."""
+    heads = q.shape[1]
+    k_e, v_e = _bhsd(_at_query_heads(k, heads)), _bhsd(_at_query_heads(v, heads))
+    if backward:
+        return sdpa_backward_flop_count(_bhsd(q), _bhsd(q), k_e, v_e)
+    return sdpa_flop_count(_bhsd(q), k_e, v_e)
+
+
 @declares("tempo.efficient_attention_fwd")
 def _tempo_attention_forward(call: OpCall, target: Target) -> list[Kernel]:
     """On CUDA ``efficient_attention`` calls sdpa's fused kernels (flash without a mask, efficient
     with one, after ``_fused_mask`` copies the mask with entries <= FUSED_MASK_FLOOR made -inf);
-    this op is its CPU/fallback path and is counted as those kernels."""
+    this op is its CPU/fallback path and is counted as those kernels. Grouped kv heads reach this op
+    16-bit and without a mask only (efficient_attention expands them before it otherwise): flash
+    reads them as they are."""
     q, k, v, mask = call.arg("q"), call.arg("k"), call.arg("v"), call.arg("attn_mask")
     b, h, sq, _ = q.shape
     dropout = call.arg("dropout_p") > 0
     out_bytes = call.tensor_outputs()[0].nbytes
+    grouped = k.shape[1] != h
+    flops = _grouped_flops(q, k, v, backward=False) if grouped else None
     if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return [_attention_forward(q, k, v, out_bytes, b * h * sq, None, dropout, "flash_fwd")]
+        return [_attention_forward(q, k, v, out_bytes, b * h * sq, None, dropout, "flash_fwd", flops=flops)]
     kernels = []
     if mask is not None:
         kernels.append(Kernel("_fused_mask (masked_fill)", ELEMENTWISE, mask.nbytes, mask.numel * q.itemsize))
@@ -325,8 +345,10 @@ def _tempo_attention_backward(call: OpCall, target: Target) -> list[Kernel]:
     q, k, v, out, mask = call.arg("q"), call.arg("k"), call.arg("v"), call.arg("out"), call.arg("attn_mask")
     b, h, sq, _ = q.shape
     dropout = call.arg("dropout_p") > 0
+    grouped = k.shape[1] != h
+    flops = _grouped_flops(q, k, v, backward=True) if grouped else None
     if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return _attention_backward(q, k, v, out.nbytes, b * h * sq, None, dropout, "flash") + \
+        return _attention_backward(q, k, v, out.nbytes, b * h * sq, None, dropout, "flash", flops=flops) + \
             _attention_bias_bytes(call, backward=True)
     return _attention_backward(q, k, v, out.nbytes, b * h * sq, mask, dropout, "efficient",
                                b * h * _cdiv(sq, 32) * 32) + _attention_bias_bytes(call, backward=True)

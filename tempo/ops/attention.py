@@ -701,8 +701,9 @@ def _grouped_for_fused(q: Tensor, k: Tensor, v: Tensor, backends: list) -> tuple
     takes fewer kv heads as they are (sdp_utils' ``check_batch_size_and_num_heads_dense<true>``; its
     backward sums dk, dv over each group itself) and keeps them so: only flash is offered then. The
     efficient kernel checks equal heads (``<false>``), and cuDNN's acceptance of grouped heads is not
-    offered here (not verified on a GPU): without flash (a mask, fp32, flash off) k and v are expanded
-    to the query heads, as transformers' ``repeat_kv``, and the kernel keeps the copies, logged once."""
+    offered here (not verified on a GPU): without flash (fp32, flash off; a mask expanded them before)
+    k and v are expanded to the query heads, as transformers' ``repeat_kv``, and the kernel keeps the
+    copies, logged once."""
     from torch.nn.attention import SDPBackend
 
     if SDPBackend.FLASH_ATTENTION in backends:
@@ -720,9 +721,9 @@ def _log_expanded_once() -> bool:
     global _expanded_logged
     if not _expanded_logged:
         _expanded_logged = True
-        logger.info("%s: grouped-query attention where flash does not take the call (a mask, fp32, flash off): "
-                    "k and v are expanded to the query heads for the efficient kernel, which keeps the "
-                    "expanded copies (as stock sdpa after repeat_kv)", _OP)
+        logger.info("%s: grouped-query attention beside a mask, or where flash does not take the call (fp32, "
+                    "flash off): k and v are expanded to the query heads and the expanded copies are kept (as "
+                    "stock sdpa after repeat_kv; torch's efficient kernel has no grouped heads)", _OP)
     return True
 
 
@@ -881,11 +882,14 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     "CUDA dispatch" for which kernel takes it.
 
     ``enable_gqa`` (sdpa's): k and v may have fewer heads than q, a divisor of them (grouped-query
-    attention: kv head j serves query heads j·g .. j·g + g − 1). They are kept at their own heads,
-    never expanded: the reference op shares each kv head inside its tiles and sums the gradient
-    back; on CUDA the flash kernel takes them as they are. Where only the efficient kernel takes the
-    call (a mask, fp32, flash switched off) k and v are expanded first, as transformers'
-    ``repeat_kv`` does, and that kernel keeps the expanded copies (logged once).
+    attention: kv head j serves query heads j·g .. j·g + g − 1). Without a mask or bias they are
+    kept at their own heads: the reference op shares each kv head inside its tiles and sums the
+    gradient back; on CUDA the flash kernel takes them as they are. With a mask or bias, or in fp32
+    or fp64, they are expanded first, as transformers' ``repeat_kv`` does, on every device, and the
+    expanded copies are kept: on CUDA only the efficient kernel takes such a call with a backward and
+    it has no grouped heads, and the CPU path (what ``tempo.plan`` traces) keeps what CUDA keeps. On
+    CUDA also where flash refuses a 16-bit call without a mask (flash switched off, head dims it
+    refuses): there the CPU path keeps less than CUDA. Logged once.
     """
     if attn_bias is not None:
         # The bias is checked before autocast so that a bad one is named as the caller passed it.
@@ -907,6 +911,11 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
                              or seed.is_complex() or seed.numel() != 1):
         raise TypeError(f"{_OP}: argument 'seed' must be a one-element integer tensor")
 
+    if k.shape[1] != q.shape[1] and (attn_mask is not None or attn_bias is not None or q.dtype not in _HALF):
+        # Grouped kv heads beside a mask, or not 16-bit (flash takes neither): expanded on every path,
+        # kept so (see the docstring).
+        _log_expanded_once()
+        k, v = _query_heads(k, q.shape[1]), _query_heads(v, q.shape[1])
     # requires_grad survives the autocast casts. Dropout takes the backward's path even without
     # one: a replayed forward draws the same mask.
     grad = needs_backward(q, k, v, attn_mask, attn_bias) or p > 0.0
