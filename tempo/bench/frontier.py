@@ -16,11 +16,13 @@ AdamW-style optimizer states, the model's masked-LM head over every position):
     what each keeps per token per layer and what its backward recomputes (torch's own partitioner and
     checkpoint policies). Their step is sdpa's with each block's kept bytes replaced by the policy's
     (at every segment, for the blocks whose activations are alive there) and the recomputed FLOPs
-    added at the fitted tensor-core rate. The compiled ones are timed by their contractions only
-    (GEMMs and attention), as if Inductor fused every element-wise and normalisation kernel away: a
-    lower bound on a compiled step, in torch's favour. The knob's rows are counted on the whole model
-    at ``torch_policies.DEFAULT_TOKENS`` tokens and scaled per token (the knob is a fraction of the
-    graph's activations, so roughly scale-free where activations outweigh parameters).
+    added at the fitted tensor-core rate. The compiled ones are timed as Tempo's plan + torch.compile
+    is, with tempo.plan.fusion's model of Inductor (each run of element-wise ops between two matmuls
+    one kernel, moving its inputs and the outputs read later once): a lower bound on a compiled
+    step's traffic, the same on both sides; the recomputed element-wise work of the knob and of
+    selective checkpointing is not counted, in torch's favour. The knob's rows are counted on the
+    whole model at ``torch_policies.DEFAULT_TOKENS`` tokens and scaled per token (the knob is a
+    fraction of the graph's activations, so roughly scale-free where activations outweigh parameters).
   * Torch's budgeted compile below 1.0 redraws dropout masks in backward (pytorch#190758: measured by
     tests/test_torch_policies.py, gradients up to 28 % off with dropout 0.1): those rows do not train
     exactly; every plan Tempo emits does (tests/test_plan_recompute.py).
