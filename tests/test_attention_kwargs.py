@@ -415,7 +415,7 @@ def test_a_v_that_views_a_fused_qkv_buffer_is_kept_compact(monkeypatch):
     results = []
     for compact in (True, False):
         if not compact:
-            monkeypatch.setattr(hf_attention, "_compact", lambda t: t)
+            monkeypatch.setattr(hf_attention, "_compact_views", lambda *qkv: qkv)
         with ActivationLedger(model) as ledger:
             out = model(input_ids=ids).last_hidden_state
         grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
@@ -425,6 +425,14 @@ def test_a_v_that_views_a_fused_qkv_buffer_is_kept_compact(monkeypatch):
     for a, b in zip(g1, g0):  # the GEMMs read v in another layout: equal to fp32 rounding
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert kept0 - kept1 == config.num_hidden_layers * ids.numel() * 2 * config.hidden_size * 4
-    # A [b, s, h, d] -> [b, h, s, d] transpose of one projection's output is passed as it is.
+    monkeypatch.undo()
+    # Only v viewing a wider buffer beside compact q and k is copied: a [b, s, h, d] -> [b, h, s, d]
+    # transpose of one projection's output passes as it is, as do q, k, v all viewing one fused buffer
+    # and a q viewing one beside compact k and v (GPT-2's layout, where copying q kept more).
     x = torch.randn(2, 9, 2, 16).transpose(1, 2)
-    assert hf_attention._compact(x) is x
+    fused = torch.randn(2, 9, 3, 2, 16).transpose(3, 1).unbind(dim=2)
+    q, k = torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    for unchanged in ((x, x, x), fused, (fused[0], k, k)):
+        assert all(a is b for a, b in zip(hf_attention._compact_views(*unchanged), unchanged))
+    out = hf_attention._compact_views(q, k, fused[2])
+    assert out[0] is q and out[1] is k and out[2].is_contiguous() and torch.equal(out[2], fused[2])

@@ -776,7 +776,7 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     if eager_only or attention_weights_requested(kwargs):
         return _run_eager(module, query, key, value, attention_mask, scaling, dropout, head_mask, bool(is_causal),
                           eager_only, kwargs)
-    query, key, value = _compact(query), _compact(key), _compact(value)
+    query, key, value = _compact_views(query, key, value)
     if key.shape[1] != query.shape[1] and core is not _efficient_core:
         # Grouped-query attention for Combined: each kv head shared by its query heads (repeat_kv's
         # copies). The efficient core takes k and v at their own heads (enable_gqa), never expanded.
@@ -809,15 +809,22 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     return out.transpose(1, 2), None
 
 
-def _compact(t: Tensor) -> Tensor:
-    """``t``, or a compact copy of it where it is a view into a wider buffer: ModernBERT's v is a slice
-    of the fused Wqkv output ([b, s, 3, h, d] -> [b, h, s, d] with a stride of 3·h·d along s), and
-    keeping it for backward would keep q's and k's pre-RoPE columns alive too (4 h per layer). The
-    [b, s, h, d] -> [b, h, s, d] transpose of one projection's output (every other family) is compact
-    already and is passed as it is."""
-    if t.is_contiguous() or t.transpose(1, 2).is_contiguous():
-        return t
-    return t.contiguous()
+def _is_compact(t: Tensor) -> bool:
+    """Contiguous, or the [b, s, h, d] -> [b, h, s, d] transpose of a contiguous tensor (one
+    projection's output split into heads)."""
+    return t.is_contiguous() or t.transpose(1, 2).is_contiguous()
+
+
+def _compact_views(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v, with a compact copy of v where v alone views a wider buffer. That is the fused-qkv +
+    RoPE layout: ModernBERT's v is a slice of the Wqkv output ([b, s, 3, h, d] -> [b, h, s, d], a
+    stride of 3·h·d along s) beside RoPE's fresh q and k, and kept as given it would keep q's and k's
+    pre-RoPE columns alive too (4 h per layer). Any other layout is passed as it is: for GPT-2's q,
+    a view of c_attn's output beside the k and v its cache made, a copy measured 8 h more per layer
+    in the ledger (tests/test_patch.py's GPT-2 count), not less."""
+    if _is_compact(query) and _is_compact(key) and not _is_compact(value):
+        return query, key, value.contiguous()
+    return query, key, value
 
 
 def _at_query_heads(key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
