@@ -12,7 +12,7 @@ from torch import nn
 from tempo import apply_tempo, revert_tempo
 from tempo.integrations.projections import keep_norm_outputs, restore_projections
 from tempo.memory import ActivationLedger
-from tempo.ops.linear import InputKeepingLinear, keeps_input, linear_keeping_input
+from tempo.ops.linear import InputKeepingLinear, recast_dtype, linear_keeping_input
 from tempo.ops.rmsnorm import InplaceRMSNorm
 
 transformers = pytest.importorskip("transformers")
@@ -79,13 +79,13 @@ def test_everywhere_else_it_is_nn_linear():
     torch.manual_seed(0)
     lin = nn.Linear(8, 4)
     x = torch.randn(3, 8, requires_grad=True)
-    assert keeps_input(x, lin.weight, lin.bias) is None  # no autocast
+    assert recast_dtype(x, lin.weight, lin.bias) is None  # no autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert keeps_input(x, lin.weight, lin.bias) == torch.bfloat16
-        assert keeps_input(x.bfloat16(), lin.weight, lin.bias) is None  # already 16-bit: nothing cast
-        assert keeps_input(x.double(), lin.weight.double(), None) is None  # fp64: autocast leaves it
+        assert recast_dtype(x, lin.weight, lin.bias) == torch.bfloat16
+        assert recast_dtype(x.bfloat16(), lin.weight, lin.bias) is None  # already 16-bit: nothing cast
+        assert recast_dtype(x.double(), lin.weight.double(), None) is None  # fp64: autocast leaves it
         with torch.no_grad():
-            assert keeps_input(x, lin.weight, lin.bias) is None
+            assert recast_dtype(x, lin.weight, lin.bias) is None
     switched = copy.deepcopy(lin)
     switched.__class__ = InputKeepingLinear
     assert isinstance(switched, nn.Linear) and switched.state_dict().keys() == lin.state_dict().keys()

@@ -81,6 +81,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from tempo.ops.attention import expand_kv_heads
 from tempo.ops.combined import combined_softmax_dropout_matmul
 
 logger = logging.getLogger("tempo.integrations.hf_attention")
@@ -780,7 +781,7 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
     if key.shape[1] != query.shape[1] and core is not _efficient_core:
         # Grouped-query attention for Combined: each kv head shared by its query heads (repeat_kv's
         # copies). The efficient core takes k and v at their own heads (enable_gqa), never expanded.
-        key, value = _at_query_heads(key, value, query.shape[1])
+        key, value = expand_kv_heads(key, query.shape[1]), expand_kv_heads(value, query.shape[1])
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, : key.shape[-2]]
@@ -792,7 +793,7 @@ def _attention_forward(core: Callable[..., Tensor], module: nn.Module, query: Te
         if mask is None and bias is None and core is _efficient_core:
             from tempo.ops.attention import efficient_attention_varlen
 
-            key, value = _at_query_heads(key, value, h)  # the varlen op has no grouped heads: expanded
+            key, value = expand_kv_heads(key, h), expand_kv_heads(value, h)  # the varlen op has no grouped heads
             q, k, v = (x.transpose(1, 2).reshape(b * l, h, x.shape[-1]) for x in (query, key, value))
             out = efficient_attention_varlen(q, k, v, cu, longest, dropout_p=float(dropout), training=module.training,
                                              scale=scaling, is_causal=bool(is_causal), min_seqlen=shortest)
@@ -825,13 +826,6 @@ def _compact_views(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, T
     if _is_compact(query) and _is_compact(key) and not _is_compact(value):
         return query, key, value.contiguous()
     return query, key, value
-
-
-def _at_query_heads(key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-    groups = heads // key.shape[1]
-    if groups == 1:
-        return key, value
-    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
 
 
 def _run_eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],

@@ -314,7 +314,7 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], 
     if out.numel() == 0 and stats.numel() == 0:
         return out, stats
     qs = q.to(cdt) * scale  # O(s·d) transients; scaling q is cheaper than scaling every score
-    kc, vc = _query_heads(k.to(cdt), h), _query_heads(v.to(cdt), h)  # grouped-query: each kv head shared
+    kc, vc = expand_kv_heads(k.to(cdt), h), expand_kv_heads(v.to(cdt), h)  # grouped-query: each kv head shared
     mask4, bias4 = _as_4d(mask), _as_4d(bias)
     dropout = p > 0.0
     seed_int = int(seed.item()) if dropout else 0  # host sync: this is the CPU / fallback path
@@ -355,7 +355,7 @@ def _reference_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], 
     return out, stats
 
 
-def _query_heads(t: Tensor, heads: int) -> Tensor:
+def expand_kv_heads(t: Tensor, heads: int) -> Tensor:
     """k or v at the query heads (grouped-query attention: head j serves query heads j·g to j·g + g − 1,
     as sdpa's ``enable_gqa`` and transformers' ``repeat_kv``); a transient of the op, never kept."""
     groups = heads // t.shape[1]
@@ -363,7 +363,7 @@ def _query_heads(t: Tensor, heads: int) -> Tensor:
 
 
 def _kv_heads(t: Tensor, kv_heads: int) -> Tensor:
-    """A gradient at the query heads summed back to the kv heads (``_query_heads``' adjoint), in the
+    """A gradient at the query heads summed back to the kv heads (``expand_kv_heads``' adjoint), in the
     compute dtype: one rounding to the input's dtype afterwards."""
     b, heads = t.shape[0], t.shape[1]
     if heads == kv_heads:
@@ -387,7 +387,7 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     s_q, s_k = q.shape[2], k.shape[2]
     cdt = _compute_dtype(q.dtype)
     qs = q.to(cdt) * scale
-    kc, vc = _query_heads(k.to(cdt), q.shape[1]), _query_heads(v.to(cdt), q.shape[1])
+    kc, vc = expand_kv_heads(k.to(cdt), q.shape[1]), expand_kv_heads(v.to(cdt), q.shape[1])
     g = grad_out.to(cdt)
     # D_i = sum_j P_ij dP_ij = rowsum(dO * O), dropout included (O already holds it).
     delta = (g * out.to(cdt)).sum(dim=-1)
@@ -710,7 +710,7 @@ def _grouped_for_fused(q: Tensor, k: Tensor, v: Tensor, backends: list) -> tuple
         return k, v, [SDPBackend.FLASH_ATTENTION], True
     _log_expanded_once()
     heads = q.shape[1]
-    return _query_heads(k, heads), _query_heads(v, heads), backends, False
+    return expand_kv_heads(k, heads), expand_kv_heads(v, heads), backends, False
 
 
 _expanded_logged = False
@@ -915,14 +915,14 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         # Grouped kv heads beside a mask, or not 16-bit (flash takes neither): expanded on every path,
         # kept so (see the docstring).
         _log_expanded_once()
-        k, v = _query_heads(k, q.shape[1]), _query_heads(v, q.shape[1])
+        k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
     # requires_grad survives the autocast casts. Dropout takes the backward's path even without
     # one: a replayed forward draws the same mask.
     grad = needs_backward(q, k, v, attn_mask, attn_bias) or p > 0.0
     seeded = seed is not None and p > 0.0  # a mask fixed by seed: only the reference op draws it
 
     if not grad and not seeded:  # nothing kept: k and v at the query heads, a transient
-        out = _stock_attention(q, _query_heads(k, q.shape[1]), _query_heads(v, q.shape[1]),
+        out = _stock_attention(q, expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1]),
                                _merged_mask(attn_mask, attn_bias), p, is_causal, scale)
         if out is not None:
             return out
@@ -1334,4 +1334,4 @@ class EfficientAttention(nn.Module):
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "FUSED_MASK_FLOOR", "EfficientAttention", "MixedDtypeError", "SequenceFacts",
            "attention_keep_mask", "autocast_like_sdpa", "draw_seed", "efficient_attention",
-           "efficient_attention_varlen", "remember_sequences", "sequence_facts"]
+           "efficient_attention_varlen", "expand_kv_heads", "remember_sequences", "sequence_facts"]

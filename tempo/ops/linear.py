@@ -73,9 +73,10 @@ class _LinearKeepingInput(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def keeps_input(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[torch.dtype]:
-    """The autocast dtype when ``linear_keeping_input`` changes what is kept (autocast on with a
-    16-bit dtype, x fp32, parameters of a dtype autocast casts, a backward to run), else None."""
+def recast_dtype(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[torch.dtype]:
+    """The 16-bit dtype backward casts the kept input to again: the autocast dtype when
+    ``linear_keeping_input`` changes what is kept (autocast on with a 16-bit dtype, x fp32, parameters
+    of a dtype autocast casts, a backward to run), else None."""
     dtype = autocast_dtype_for(x)
     if dtype not in _LOW or x.dtype != torch.float32 or weight.dtype not in _CASTABLE:
         return None
@@ -86,8 +87,8 @@ def keeps_input(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[t
 
 def linear_keeping_input(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear(x, weight, bias)`` as autocast runs it, keeping x (not its 16-bit cast) for
-    backward where that changes anything (``keeps_input``); ``F.linear`` itself elsewhere."""
-    dtype = keeps_input(x, weight, bias)
+    backward where that changes anything (``recast_dtype``); ``F.linear`` itself elsewhere."""
+    dtype = recast_dtype(x, weight, bias)
     if dtype is None or x.dim() == 0:
         return F.linear(x, weight, bias)
     return _LinearKeepingInput.apply(x, weight, bias, dtype)
@@ -102,4 +103,4 @@ class InputKeepingLinear(nn.Linear):
         return linear_keeping_input(input, self.weight, self.bias)
 
 
-__all__ = ["InputKeepingLinear", "keeps_input", "linear_keeping_input"]
+__all__ = ["InputKeepingLinear", "linear_keeping_input", "recast_dtype"]
