@@ -489,7 +489,7 @@ def keeps_input(x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
     with an fp32 output, Qwen3's q/k norms of an autocast projection under the "promote" rule);
     backward then recomputes y from x with the forward's own kernel (module docstring, "Which
     tensor is kept")."""
-    return torch.empty((), dtype=x_dtype).element_size() < torch.empty((), dtype=out_dtype).element_size()
+    return x_dtype.itemsize < out_dtype.itemsize
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -508,9 +508,10 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _fwd_backward(ctx, grad_y, _grad_rstd, _grad_cols, _grad_kept):
-    y, rstd, kept_cols, kept_xhat, weight = ctx.saved_tensors
+    kept, rstd, kept_cols, kept_xhat, weight = ctx.saved_tensors  # kept: y, or x where x is narrower
+    y = kept
     if ctx.recompute:  # y from the kept x by the forward's kernel, with the forward's plan: bitwise its y
-        y = call_with_plan(torch.ops.tempo.rmsnorm_fwd, kept_cols, y, ctx.normalized_ndim, weight, kept_cols,
+        y = call_with_plan(torch.ops.tempo.rmsnorm_fwd, kept_cols, kept, ctx.normalized_ndim, weight, kept_cols,
                            ctx.eps, ctx.unit_offset, ctx.out_dtype, ctx.backend, ctx.name)[0]
     dx, dw = torch.ops.tempo.rmsnorm_bwd(grad_y.contiguous(), y, rstd, kept_cols, kept_xhat, ctx.normalized_ndim,
                                          weight, ctx.unit_offset, ctx.x_dtype, ctx.backend)
