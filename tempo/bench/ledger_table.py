@@ -378,11 +378,13 @@ def _check_family_seq_len(family: str, seq_len: int) -> None:
 
 
 def swaps_per_added_layer(one_layer: torch.nn.Module, two_layers: torch.nn.Module) -> dict[str, int]:
-    """What apply_tempo swapped in one more layer (``tempo_patched`` of 2 layers minus 1 layer), and
+    """What apply_tempo swapped or switched in one more layer (``tempo_patched`` and ``tempo_switched``
+    of 2 layers minus 1 layer), and
     "attention": 1 when the attention runs Tempo's (switched in the config, or a module replaced)."""
-    from tempo.integrations.patch import tempo_patched
+    from tempo.integrations.patch import tempo_patched, tempo_switched
 
-    one, two = tempo_patched(one_layer), tempo_patched(two_layers)
+    one = {**tempo_patched(one_layer), **tempo_switched(one_layer)}
+    two = {**tempo_patched(two_layers), **tempo_switched(two_layers)}
     swaps = {kind: two[kind] - one.get(kind, 0) for kind in two if kind != "attention" and two[kind] > one.get(kind, 0)}
     swaps["attention"] = two["attention"]
     return swaps

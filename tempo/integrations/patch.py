@@ -19,6 +19,11 @@ numerically, restore; one per kind, declared per family):
   * gated MLPs of every family, SwiGLU and GeGLU (tempo.integrations.gated_mlp);
   * ``nn.LayerNorm`` and GELU modules of every family (tempo.integrations.layers).
 
+After the swaps, two class switches (no new module objects): the ``nn.Linear`` projections reading
+a Tempo RMSNorm's output keep that output (tempo.integrations.projections), and, with
+``dropout_add_layernorm``, every plain ``nn.Dropout`` left in the model keeps a seed instead of its
+mask (tempo.integrations.dropouts: inline residual, embedding and classifier dropouts).
+
 A replaced module's subtree is Tempo's own: it is not entered, now or by a later call (the GELU
 inside Tempo's gated MLP stays as it is). Then, for models whose attention dispatches through
 transformers' AttentionInterface, the configs' ``_attn_implementation`` becomes "tempo_efficient"
@@ -63,6 +68,7 @@ from torch import nn
 
 from tempo.choices import TempoChoice
 from tempo.integrations.attention_switch import AttentionSwitch, asks_for_attention_weights, configs_of
+from tempo.integrations.dropouts import restore_dropouts, seed_dropouts
 from tempo.integrations.projections import keep_norm_outputs, restore_projections
 from tempo.integrations.bert_family import FusedResidualOutput
 from tempo.integrations.layers import gelu_form
@@ -331,7 +337,9 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     True or "tempo": the paper's Combined ("tempo"; DeBERTa-v2/v3: ``DebertaCombinedAttention``);
     False leaves it. ``dropout_add_layernorm``: the BERT family's residual blocks (BERT, RoBERTa,
     XLM-R, CamemBERT, ELECTRA, DeBERTa-v2/v3) -> ``FusedResidualOutput`` (one DropoutAddLayerNorm,
-    same state_dict keys). The paper's three layers:
+    same state_dict keys), and every other plain ``nn.Dropout`` -> ``SeededDropout`` (a class switch:
+    it keeps a seed, not its mask; tempo.ops.dropout).
+    The paper's three layers:
     ``apply_tempo(model, attention="tempo", dropout_add_layernorm=False)``.
     See the module docstring for the rules (idempotent, all or nothing, stock behaviour).
 
@@ -372,6 +380,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     applied: list[_Swap] = []
     extras_before = _extras_of(model)
     projections: list[nn.Module] = []
+    dropouts: list[nn.Module] = []
     try:
         for swap in plan.swaps:
             swap.parent._modules[swap.name] = swap.new
@@ -382,7 +391,11 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         _install_model_hooks(model)
         # The projections reading a Tempo RMSNorm's output keep it instead of a 16-bit copy.
         projections.extend(keep_norm_outputs(model))
+        # The dropouts left as modules (inline residual, embedding, classifier) keep a seed, not a mask.
+        if options_for_modules.dropout_add_layernorm:
+            dropouts.extend(seed_dropouts(model))
     except BaseException:
+        restore_dropouts(dropouts)
         restore_projections(projections)
         _put_extras_back(extras_before)
         if switch is not None:
@@ -393,7 +406,8 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         raise
     # Data only (the choice, and the switch's config objects, all inside this model): a deep copy or a
     # pickled model carries its own and reverts without touching this one.
-    model.__dict__[_STATE] = {"options": options, "switch": switch, "projections": projections}
+    model.__dict__[_STATE] = {"options": options, "switch": switch, "projections": projections,
+                              "dropouts": dropouts}
     _prepare_swapped(model, plan.swaps)
     _log(model, plan, switch)
     return model
@@ -478,6 +492,7 @@ def revert_tempo(model: nn.Module) -> nn.Module:
     _remove_model_hooks(model)
     for state in states:
         restore_projections(state.get("projections", []))
+        restore_dropouts(state.get("dropouts", []))
         switch = state.get("switch")
         if switch is not None:
             switch.undo()
@@ -498,4 +513,13 @@ def tempo_patched(model: nn.Module) -> dict[str, int]:
     return dict(counts)
 
 
-__all__ = ["FusedResidualOutput", "apply_tempo", "gelu_form", "revert_tempo", "tempo_patched"]
+def tempo_switched(model: nn.Module) -> dict[str, int]:
+    """How many modules apply_tempo switched the class of (no new object): the projections keeping
+    a norm's output (``InputKeepingLinear``) and the dropouts keeping a seed (``SeededDropout``)."""
+    from tempo.ops.dropout import SeededDropout
+    from tempo.ops.linear import InputKeepingLinear
+
+    return dict(Counter(type(m).__name__ for m in model.modules() if type(m) in (SeededDropout, InputKeepingLinear)))
+
+
+__all__ = ["FusedResidualOutput", "apply_tempo", "gelu_form", "revert_tempo", "tempo_patched", "tempo_switched"]

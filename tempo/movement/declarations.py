@@ -439,6 +439,15 @@ def _gelu_backward(call: OpCall, target: Target) -> list[Kernel]:
     return kernels
 
 
+@declares("tempo.seeded_dropout")
+def _seeded_dropout(call: OpCall, target: Target) -> list[Kernel]:
+    """_seeded_dropout_kernel, forward and backward alike (backward is the op on dy): reads x and
+    the seed, writes y; the mask is drawn again from the seed, never stored."""
+    x = call.arg("x")
+    return [Kernel("_seeded_dropout_kernel", ELEMENTWISE, x.numel * x.itemsize + SEED_BYTES, x.numel * x.itemsize,
+                   triton=True)]
+
+
 @declares("tempo.layernorm_plan")
 def _layernorm_plan(call: OpCall, target: Target) -> list[Kernel]:
     """plan_kept_columns: a few element-wise kernels over the N columns of γ and β (|γ|, |β|, the

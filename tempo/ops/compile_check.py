@@ -35,7 +35,8 @@ and varlen; fp32/fp16/bf16; c2p+p2c, c2p only, p2c only, content only; dropout o
 forward, both backward kernels and the keep-mask kernel), the gated MLP (``tempo.ops.gated_mlp``:
 I = 3072 and an odd fused 2 × 1001; SiLU, exact and tanh GELU; dropout on/off; fp32/fp16/bf16), and
 RMSNorm (``tempo.ops.rmsnorm``: h = 1024, 4096, 16384; fp32/fp16/bf16; w and 1 + w; with and
-without kept columns, and without a weight; a bf16 input with fp32 weights, output fp32 or bf16).
+without kept columns, and without a weight; a bf16 input with fp32 weights, output fp32 or bf16),
+and the seeded dropout (``tempo.ops.dropout``: fp32/fp16/bf16).
 About 100 s on 2 cores with an empty triton cache (300 compiles).
 """
 
@@ -433,11 +434,26 @@ def _rmsnorm_workload(log: Callable[[str], None]) -> None:
     log("rmsnorm: h = 1024, 4096, 16384; w and 1 + w; with and without kept columns; no weight")
 
 
+def _seeded_dropout_workload(log: Callable[[str], None]) -> None:
+    import torch
+
+    from tempo.ops.dropout import seeded_dropout, seeded_dropout_keep_mask
+
+    # One element-wise kernel, forward and backward alike; numel is a runtime int (specialized by
+    # divisibility by 16): 4096 (any real [tokens, h]) and an odd 4097.
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for numel in (4096, 4097):
+            x = torch.randn(numel, dtype=dtype, requires_grad=True)
+            _backward(seeded_dropout(x, 0.1), x)
+    seeded_dropout_keep_mask(torch.tensor(1), (16, 64), 0.1, "cpu", "triton")
+    log("seeded_dropout: fp32/fp16/bf16; 4096 and 4097 elements")
+
+
 # The module each workload exercises (kernels there that no launch reached are reported).
 WORKLOAD_MODULES = {"layernorm": "tempo.ops.layernorm", "gelu": "tempo.ops.gelu", "combined": "tempo.ops.combined",
                     "dropout_add_layernorm": "tempo.ops.dropout_add_layernorm",
                     "disentangled_attention": "tempo.ops.disentangled_attention", "gated_mlp": "tempo.ops.gated_mlp",
-                    "rmsnorm": "tempo.ops.rmsnorm"}
+                    "rmsnorm": "tempo.ops.rmsnorm", "seeded_dropout": "tempo.ops.dropout"}
 
 WORKLOADS: dict[str, Callable[[Callable[[str], None]], None]] = {
     "layernorm": _layernorm_workload,
@@ -447,6 +463,7 @@ WORKLOADS: dict[str, Callable[[Callable[[str], None]], None]] = {
     "disentangled_attention": _disentangled_attention_workload,
     "gated_mlp": _gated_mlp_workload,
     "rmsnorm": _rmsnorm_workload,
+    "seeded_dropout": _seeded_dropout_workload,
 }
 
 
