@@ -144,9 +144,17 @@ def _gated_mlp(device):
     gated_mlp_keep_mask(torch.tensor(1, device=device), 2, 8, 0.1, device, backend="triton")
 
 
+def _seeded_dropout(device):
+    from tempo.ops.dropout import seeded_dropout, seeded_dropout_keep_mask
+
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    _backward(seeded_dropout(x, 0.1), x)
+    seeded_dropout_keep_mask(torch.tensor(1, device=device), (2, 8), 0.1, device, backend="triton")
+
+
 WORKLOADS = {"layernorm": _layernorm, "gelu": _gelu, "combined": _combined,
              "dropout_add_layernorm": _dropout_add_layernorm, "disentangled_attention": _disentangled_attention,
-             "rmsnorm": _rmsnorm, "gated_mlp": _gated_mlp}
+             "rmsnorm": _rmsnorm, "gated_mlp": _gated_mlp, "seeded_dropout": _seeded_dropout}
 
 
 @pytest.mark.parametrize("device", GUARD_DEVICES)
