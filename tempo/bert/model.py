@@ -106,7 +106,12 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = _layer_norm(config, options)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        if options.dropout_add_layernorm:  # Tempo's dropouts keep a seed, not a mask (tempo.ops.dropout)
+            from tempo.ops.dropout import SeededDropout  # lazy: imports Triton only when used
+
+            self.dropout = SeededDropout(config.hidden_dropout_prob)
+        else:
+            self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, layout: Optional[TokenLayout] = None) -> Tensor:
         """[B, L] ids -> [B, L, H]; with a layout, the T real tokens only -> [T, H], each at the
