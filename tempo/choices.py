@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 # Layer kinds Tempo can swap in. dropout_add_layernorm fuses the hidden dropout, the residual add
-# and the LayerNorm after it (DropoutAddLayerNorm: keeps no mask and no pre-LN sum).
+# and the LayerNorm after it (DropoutAddLayerNorm: keeps no mask and no pre-LN sum), and makes the
+# other dropouts SeededDropout (a seed, not a mask: embedding, inline residual dropouts).
 LAYER_KINDS = ("gelu", "layernorm", "attention", "dropout_add_layernorm")
 # The paper's three layers: what TempoChoice.full() and TempoChoice.paper() turn on. (The default,
 # --tempo without --tempo_layers and apply_tempo(model), is TempoChoice.default(): every kind with
@@ -68,7 +69,7 @@ class TempoChoice:
 
     gelu: InplaceGelu instead of GELU; layernorm: InplaceLayerNorm instead of LayerNorm;
     attention: the attention implementation (one of ATTENTIONS); dropout_add_layernorm: the fused
-    dropout -> residual add -> LayerNorm. (Where to trade compute for memory, block by block, is
+    dropout -> residual add -> LayerNorm, and SeededDropout for the other dropouts. (Where to trade compute for memory, block by block, is
     the planner's per-block recompute: tempo.plan.)
     """
 
