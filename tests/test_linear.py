@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tempo import apply_tempo, revert_tempo
-from tempo.integrations.projections import keep_norm_outputs, restore_projections
+from tempo.integrations.projections import keep_norm_outputs
+from tempo.integrations.recipe import restore_classes
 from tempo.memory import ActivationLedger
 from tempo.ops.linear import InputKeepingLinear, recast_dtype, linear_keeping_input
 from tempo.ops.rmsnorm import InplaceRMSNorm
@@ -172,8 +173,7 @@ def test_families_switch_q_k_v_and_gate_up_and_stay_bitwise(name):
         assert type(layer.mlp.down_proj) is nn.Linear
     ids = torch.randint(4, 100, (2, 9))
     out, grads, kept = _step(model, ids)
-    switched = model.__dict__["_tempo_patch_state"]["projections"]
-    restore_projections(switched)
+    restore_classes([(m, nn.Linear) for m in model.modules() if type(m) is InputKeepingLinear])
     out0, grads0, kept0 = _step(model, ids)
     assert torch.equal(out, out0)
     assert grads.keys() == grads0.keys() and all(torch.equal(grads[k], grads0[k]) for k in grads)
@@ -211,7 +211,7 @@ def test_only_plain_linears_beside_a_tempo_rmsnorm_are_switched():
 
     with_rms, with_ln = Block(InplaceRMSNorm(8)), Block(nn.LayerNorm(8))
     switched = keep_norm_outputs(nn.ModuleList([with_rms, with_ln]))
-    assert switched == [with_rms.attn.q]
+    assert switched == [(with_rms.attn.q, nn.Linear)]
     assert type(with_rms.attn.k) is OtherLinear and type(with_ln.attn.q) is nn.Linear
-    restore_projections(switched)
+    restore_classes(switched)
     assert type(with_rms.attn.q) is nn.Linear

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tempo import apply_tempo, revert_tempo
-from tempo.integrations.dropouts import restore_dropouts, seed_dropouts
+from tempo.integrations.dropouts import seed_dropouts
+from tempo.integrations.recipe import restore_classes, switch_class
 from tempo.memory import ActivationLedger
 from tempo.ops.dropout import SeededDropout, seeded_dropout, seeded_dropout_keep_mask, seeded_dropout_op
 
@@ -198,7 +199,7 @@ def test_inline_residual_dropouts_are_switched_and_keep_no_mask(name):
             for inline in INLINE[name][2]:
                 assert type(_layers(model)[0].get_submodule(inline)) is SeededDropout
             if not switched:
-                restore_dropouts([m for m in model.modules() if type(m) is SeededDropout])
+                restore_classes([(m, nn.Dropout) for m in model.modules() if type(m) is SeededDropout])
             kept.append(_kept_bytes(model, ids))
         added[switched] = kept[1] - kept[0]
     masks = len(INLINE[name][2])
@@ -241,7 +242,10 @@ def test_only_plain_not_in_place_dropouts_are_switched():
 
     model = nn.Sequential(nn.Dropout(0.1), nn.Dropout(0.1, inplace=True), OtherDropout(0.1), nn.Dropout1d(0.1))
     switched = seed_dropouts(model)
-    assert switched == [model[0]] and type(model[0]) is SeededDropout
+    assert switched == [(model[0], nn.Dropout)] and type(model[0]) is SeededDropout
     assert [type(m) for m in model[1:]] == [nn.Dropout, OtherDropout, nn.Dropout1d]
-    restore_dropouts(switched)
+    restore_classes(switched)
     assert type(model[0]) is nn.Dropout
+    with pytest.raises(TypeError, match="not a direct subclass of OtherDropout"):  # the guard: no state added
+        switch_class(model[2], SeededDropout)
+    assert type(model[2]) is OtherDropout

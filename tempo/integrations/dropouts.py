@@ -8,7 +8,7 @@ as it is. Each keeps its mask for backward, 1 byte per element on CUDA and 2 (bf
 apply_tempo's ``dropout_add_layernorm`` option (Tempo's dropout keeps seeds) switches them to
 ``SeededDropout``, which keeps 8 bytes per call and draws the same mask again in backward.
 
-The switch is a class change (``module.__class__``), no new state and no new object: ``p``,
+The switch is a class change (``recipe.switch_class``), no new state and no new object: ``p``,
 ``training``, hooks, ``isinstance(m, nn.Dropout)`` (TRL's ``disable_dropout_in_model``, PEFT) and
 every reference held to the module stay the module's own. Only ``type(m) is nn.Dropout`` with
 ``inplace=False`` (an in-place dropout overwrites its input, which its caller may read afterwards),
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from tempo.integrations.recipe import is_replacement
+from tempo.integrations.recipe import Switched, is_replacement, switch_class
 from tempo.ops.dropout import SeededDropout
 
 
-def seed_dropouts(model: nn.Module) -> list[nn.Module]:
-    """Switch the model's plain, not in-place ``nn.Dropout`` modules to ``SeededDropout``; returns
-    the switched modules, for ``restore_dropouts``."""
+def seed_dropouts(model: nn.Module) -> list[Switched]:
+    """Switch the model's plain, not in-place ``nn.Dropout`` modules outside Tempo's replacements to
+    ``SeededDropout``; returns what ``recipe.restore_classes`` switches back."""
     switched, seen = [], set()
 
     def visit(module: nn.Module) -> None:
@@ -35,8 +35,7 @@ def seed_dropouts(model: nn.Module) -> list[nn.Module]:
             return
         seen.add(id(module))
         if type(module) is nn.Dropout and not module.inplace:
-            module.__class__ = SeededDropout
-            switched.append(module)
+            switched.append(switch_class(module, SeededDropout))
         for child in module.children():
             visit(child)
 
@@ -44,11 +43,4 @@ def seed_dropouts(model: nn.Module) -> list[nn.Module]:
     return switched
 
 
-def restore_dropouts(modules: list[nn.Module]) -> None:
-    """Give the modules ``seed_dropouts`` switched their ``nn.Dropout`` class back."""
-    for module in modules:
-        if type(module) is SeededDropout:
-            module.__class__ = nn.Dropout
-
-
-__all__ = ["restore_dropouts", "seed_dropouts"]
+__all__ = ["seed_dropouts"]

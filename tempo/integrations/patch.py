@@ -68,12 +68,12 @@ from torch import nn
 
 from tempo.choices import TempoChoice
 from tempo.integrations.attention_switch import AttentionSwitch, asks_for_attention_weights, configs_of
-from tempo.integrations.dropouts import restore_dropouts, seed_dropouts
-from tempo.integrations.projections import keep_norm_outputs, restore_projections
+from tempo.integrations.dropouts import seed_dropouts
+from tempo.integrations.projections import keep_norm_outputs
 from tempo.integrations.bert_family import FusedResidualOutput
 from tempo.integrations.layers import gelu_form
-from tempo.integrations.recipe import ORIGINAL, Options, Recipe, Skip, as_original_class, is_replacement, \
-    move_parameters, tempo_class
+from tempo.integrations.recipe import ORIGINAL, Options, Recipe, Skip, Switched, as_original_class, \
+    is_replacement, move_parameters, restore_classes, tempo_class
 
 logger = logging.getLogger("tempo.integrations.patch")
 
@@ -379,8 +379,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     # 2. Apply: swap them all in, then the attention; undo everything if any step fails.
     applied: list[_Swap] = []
     extras_before = _extras_of(model)
-    projections: list[nn.Module] = []
-    dropouts: list[nn.Module] = []
+    switched: list[Switched] = []  # the class switches: projections, dropouts
     try:
         for swap in plan.swaps:
             swap.parent._modules[swap.name] = swap.new
@@ -390,13 +389,12 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         # What the model needs around some replacements (DeBERTa: the call hooks).
         _install_model_hooks(model)
         # The projections reading a Tempo RMSNorm's output keep it instead of a 16-bit copy.
-        projections.extend(keep_norm_outputs(model))
+        switched.extend(keep_norm_outputs(model))
         # The dropouts left as modules (inline residual, embedding, classifier) keep a seed, not a mask.
         if options_for_modules.dropout_add_layernorm:
-            dropouts.extend(seed_dropouts(model))
+            switched.extend(seed_dropouts(model))
     except BaseException:
-        restore_dropouts(dropouts)
-        restore_projections(projections)
+        restore_classes(switched)
         _put_extras_back(extras_before)
         if switch is not None:
             switch.undo()
@@ -406,8 +404,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         raise
     # Data only (the choice, and the switch's config objects, all inside this model): a deep copy or a
     # pickled model carries its own and reverts without touching this one.
-    model.__dict__[_STATE] = {"options": options, "switch": switch, "projections": projections,
-                              "dropouts": dropouts}
+    model.__dict__[_STATE] = {"options": options, "switch": switch, "switched": switched}
     _prepare_swapped(model, plan.swaps)
     _log(model, plan, switch)
     return model
@@ -491,8 +488,7 @@ def revert_tempo(model: nn.Module) -> nn.Module:
             states.append(module.__dict__.pop(_STATE))
     _remove_model_hooks(model)
     for state in states:
-        restore_projections(state.get("projections", []))
-        restore_dropouts(state.get("dropouts", []))
+        restore_classes(state.get("switched", []))
         switch = state.get("switch")
         if switch is not None:
             switch.undo()

@@ -15,7 +15,7 @@ layer or a quantized Linear is left as it is. A block whose attention reads some
 norm's output would pay 2 bytes per element more per projection for nothing kept elsewhere (4
 instead of 2); it stays exact either way.
 
-The switch is a class change (``module.__class__``), no new state: Parameters, state_dict keys,
+The switch is a class change (``recipe.switch_class``), no new state: Parameters, state_dict keys,
 ``isinstance(m, nn.Linear)`` (PEFT's target checks, ``_init_weights``) and hooks are the module's
 own. apply_tempo records the switched modules in the model's patch state; ``revert_tempo`` gives
 them back their class.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tempo.integrations.recipe import Switched, switch_class
 from tempo.ops.gated_mlp import GatedMLP
 from tempo.ops.linear import InputKeepingLinear
 from tempo.ops.rmsnorm import InplaceRMSNorm
@@ -40,9 +41,9 @@ def _input_projections(module: nn.Module) -> list[nn.Module]:
     return []
 
 
-def keep_norm_outputs(model: nn.Module) -> list[nn.Module]:
+def keep_norm_outputs(model: nn.Module) -> list[Switched]:
     """Switch the projections beside each ``InplaceRMSNorm`` (module docstring) to
-    ``InputKeepingLinear``; returns the switched modules, for ``restore_projections``."""
+    ``InputKeepingLinear``; returns what ``recipe.restore_classes`` switches back."""
     switched = []
     for block in model.modules():
         children = [c for c in block._modules.values() if c is not None]
@@ -51,16 +52,8 @@ def keep_norm_outputs(model: nn.Module) -> list[nn.Module]:
         for reader in children:
             for projection in _input_projections(reader):
                 if type(projection) is nn.Linear:
-                    projection.__class__ = InputKeepingLinear
-                    switched.append(projection)
+                    switched.append(switch_class(projection, InputKeepingLinear))
     return switched
 
 
-def restore_projections(modules: list[nn.Module]) -> None:
-    """Give the modules ``keep_norm_outputs`` switched their ``nn.Linear`` class back."""
-    for module in modules:
-        if type(module) is InputKeepingLinear:
-            module.__class__ = nn.Linear
-
-
-__all__ = ["keep_norm_outputs", "restore_projections"]
+__all__ = ["keep_norm_outputs"]

@@ -159,6 +159,31 @@ def is_replacement(module: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Class switches: the other way apply_tempo changes a module (no replacement, no new object)
+# ---------------------------------------------------------------------------------------------
+Switched = tuple[nn.Module, type]  # (the module, the class it had)
+
+
+def switch_class(module: nn.Module, tempo_cls: type) -> Switched:
+    """Make ``module`` an instance of ``tempo_cls``, a subclass of its own class adding no state
+    (``InputKeepingLinear`` of ``nn.Linear``, ``SeededDropout`` of ``nn.Dropout``): its Parameters,
+    hooks, references to it and ``isinstance`` checks stay as they are. Returns what
+    ``restore_classes`` needs to switch it back."""
+    original = type(module)
+    if tempo_cls.__bases__ != (original,):
+        raise TypeError(f"switch_class: {tempo_cls.__name__} is not a direct subclass of {original.__name__}")
+    module.__class__ = tempo_cls
+    return module, original
+
+
+def restore_classes(switched: list[Switched]) -> None:
+    """Give each module ``switch_class`` switched its own class back (one still of a subclass of it)."""
+    for module, original in switched:
+        if type(module) is not original and isinstance(module, original):
+            module.__class__ = original
+
+
+# ---------------------------------------------------------------------------------------------
 # Helpers the recipes share
 # ---------------------------------------------------------------------------------------------
 def move_parameters(src: nn.Module, dst: nn.Module) -> None:
