@@ -29,6 +29,11 @@ module it replaced: same branches, same random draws in the same order (a replac
 children in the original's order). Every other ``isinstance`` idiom (an optimizer's
 no-weight-decay rule for ``nn.LayerNorm``, PEFT's target checks) answers as for the stock model.
 Those subclasses pickle and deep-copy as themselves.
+
+Where a Tempo class adds no state to a module's own class (``InputKeepingLinear`` of ``nn.Linear``,
+``SeededDropout`` of ``nn.Dropout``), apply_tempo switches the module's class instead of replacing it
+(``switch_class``; ``restore_classes`` switches it back): the same object, so hooks and references to
+it stay valid (tempo.integrations.projections, tempo.integrations.dropouts).
 """
 
 from __future__ import annotations
