@@ -209,7 +209,11 @@ def test_ddp_two_processes_match_one_process_with_double_batch(data, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["--config_file", str(data["config_nodrop"])]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    _run(torchrun + _cmd(data, two, steps=3, batch=4)[1:] + common + ["--num_steps_per_checkpoint", "3"])
+    from test_token_budget import run_torchrun  # one rerun for torchrun's exit-time abort alone (see there)
+
+    cmd = torchrun + _cmd(data, two, steps=3, batch=4)[1:] + common + ["--num_steps_per_checkpoint", "3"]
+    result = run_torchrun(cmd, _env(), two)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     _run(_cmd(data, one, steps=3, batch=8) + common + ["--num_steps_per_checkpoint", "3"])
     a = load_file(one / "checkpoints" / "ckpt_3" / "model.safetensors")
     b = load_file(two / "checkpoints" / "ckpt_3" / "model.safetensors")

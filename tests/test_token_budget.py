@@ -616,6 +616,25 @@ def test_run_squad_max_tokens_auto_takes_the_planners_tokens(squad_files, tmp_pa
     assert all(r["real_tokens"] <= 300 for r in _steps(out / "dllogger.json"))
 
 
+# torchrun on the CPU (gloo): about one run in 10-40 of a 2-process run ends with a rank aborting at
+# exit, "terminate called without an active exception", after the run finished and wrote its outputs
+# ("done:" printed). Seen at the commit before SeededDropout too (4 of 40), with --no-tempo, so not in
+# Tempo's layers; the cause, inside torch's process-group teardown, is not found (docs/status.md). That
+# abort alone gets one rerun, said on stdout; any other failure, or the abort twice, fails the test.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def run_torchrun(cmd: list[str], env: dict, out: Path, **kw) -> subprocess.CompletedProcess:
+    import shutil
+
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, **kw)
+    if result.returncode != 0 and EXIT_ABORT in result.stderr and "done:" in result.stdout:
+        print(f"torchrun ended with the exit-time abort after its run finished; running it once more: {cmd}")
+        shutil.rmtree(out, ignore_errors=True)
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, **kw)
+    return result
+
+
 @pytest.mark.slow
 def test_ddp_pretraining_with_max_tokens_runs_equal_steps(data, tmp_path):
     """Two processes (gloo): equal step counts per rank (or the run would hang) and the loss weights'
@@ -625,7 +644,7 @@ def test_ddp_pretraining_with_max_tokens_runs_equal_steps(data, tmp_path):
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "run_pretraining.py"), *_pretrain_args(data, out, "--max_tokens", "300", steps=4)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    result = run_torchrun(cmd, env, out)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = _steps(out / "dllogger.json")
     assert len(steps) == 4 and all(0 < r["real_tokens"] <= 300 and np.isfinite(r["loss"]) for r in steps)

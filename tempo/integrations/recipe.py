@@ -346,5 +346,6 @@ def sample(shape: tuple[int, ...], like: torch.Tensor, seed: int = 0) -> torch.T
     return torch.randn(shape, generator=g).to(device=like.device, dtype=like.dtype)
 
 
-__all__ = ["ORIGINAL", "CheckResult", "Options", "Recipe", "Skip", "as_original_class", "compute_dtype", "has_meta_weights", "is_replacement",
-           "move_parameters", "same_output", "same_submodules", "sample", "tempo_class"]
+__all__ = ["ORIGINAL", "CheckResult", "Options", "Recipe", "Skip", "Switched", "as_original_class", "compute_dtype",
+           "has_meta_weights", "is_replacement", "move_parameters", "restore_classes", "same_output", "same_submodules",
+           "sample", "switch_class", "tempo_class"]
