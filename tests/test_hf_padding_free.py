@@ -113,18 +113,28 @@ def test_packed_batch_equals_each_sequence_alone(name, choice, flash_kwargs):
         assert err <= 1e-5 * grads[key].norm() + 1e-8 * scale, key
 
 
+def encoder_masks_read_positions() -> bool:
+    """transformers 5.25 and later: the bidirectional mask builder takes position_ids and packs."""
+    import inspect
+
+    from transformers.masking_utils import create_bidirectional_mask
+
+    return "position_ids" in inspect.signature(create_bidirectional_mask).parameters
+
+
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
-def test_stock_attention_crosses_the_boundaries_which_is_why_this_exists(name):
-    """The gap, shown: without Tempo, an encoder's eager attention mixes packed sequences."""
+def test_stock_attention_crosses_the_boundaries_before_transformers_5_25(name):
+    """The gap, shown per version: without Tempo, an encoder's eager attention mixes packed
+    sequences up to transformers 5.24 (what Tempo fixes there); from 5.25 transformers builds the
+    packed mask for encoders too. GPT-2: causal and packed from position_ids in every version, so
+    the first sequence sees nothing later."""
     torch.manual_seed(0)
     model = MODELS[name]().train()
     seqs = sequences()
     packed_out, _ = run(model, packed_batch(model, seqs, False))
     first, _ = run(model, {"input_ids": seqs[0][None]})
     differs = rel(packed_out[0, :LENGTHS[0]], first[0]) > 1e-3
-    # BERT: yes (it is what Tempo fixes); GPT-2: causal, so the first sequence sees nothing later
-    # (transformers also builds a packed causal mask from position_ids for decoders).
-    assert differs == (name == "bert")
+    assert differs == (name == "bert" and not encoder_masks_read_positions())
 
 
 def test_one_position_row_shared_by_a_batch_of_packed_rows():
@@ -314,3 +324,36 @@ def test_position_ids_passed_positionally_are_read_too():
         unpacked = model(packed["input_ids"]).last_hidden_state
     torch.testing.assert_close(by_position, by_keyword)
     assert float((unpacked - by_keyword).abs().max()) > 1e-3
+
+
+def test_the_efficient_mask_drops_only_a_mask_that_packs():
+    """"tempo_efficient"'s mask function gives None only for transformers' packing over a
+    bidirectional or causal base (the layers apply both exactly); padding, a sliding window, a
+    user's overlay or a call that is not packed keep sdpa's mask. On transformers before 5.25 the
+    encoders' builder never packs, so BERT's layers get None from sdpa's own skip."""
+    from transformers import masking_utils as mu
+
+    from tempo.integrations.hf_attention import _only_packing
+
+    seq = torch.tensor([[0, 0, 1, 1, 1]])
+    pos = torch.tensor([[0, 1, 0, 1, 2]])
+    packs = mu.packed_sequence_mask_function(seq)
+    for base in (mu.bidirectional_mask_function, mu.causal_mask_function):
+        assert _only_packing(mu.and_masks(mu.remap_positions_for_packed_sequence(base, pos), packs))
+        assert not _only_packing(base)  # nothing packs: sdpa's own skip decides
+    window = mu.sliding_window_causal_mask_function(2)
+    assert not _only_packing(mu.and_masks(mu.remap_positions_for_packed_sequence(window, pos), packs))
+    assert not _only_packing(mu.and_masks(mu.bidirectional_mask_function, packs, mu.padding_mask_function(seq > 0)))
+    assert not _only_packing(mu.and_masks(mu.bidirectional_mask_function, packs, lambda b, h, q, kv: q >= kv))
+
+    # Through a model: a packed BERT call gets None; the same rows padded get sdpa's mask.
+    model = apply_tempo(bert()).train()
+    seen = []
+    for layer in model.encoder.layer:
+        layer.attention.self.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")),
+                                                       with_kwargs=True)
+    run(model, packed_batch(model, sequences(), False))
+    assert seen == [None, None]
+    seen.clear()
+    run(model, {"input_ids": torch.randint(3, 100, (2, 6)), "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])})
+    assert len(seen) == 2 and all(m is not None and m.dtype == torch.bool for m in seen)

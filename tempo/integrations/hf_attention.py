@@ -45,8 +45,10 @@ validation accept Tempo's implementations, and revert_tempo gives the original c
 Padding-free batches (sequences packed back to back, as ``DataCollatorWithFlattening`` makes
 them): transformers passes ``position_ids`` (restarting at each sequence's first token) and, with
 ``return_flash_attn_kwargs=True``, ``cu_seq_lens_q/k`` down to the attention function, but its
-eager and sdpa attention of encoder models read neither: every token attends across the sequence
-boundaries, silently. Tempo's attentions read them: ``cu_seq_lens_q`` when given, else boundaries
+eager and sdpa attention of encoder models read neither: up to transformers 5.24 every token
+attends across the sequence boundaries, silently (from 5.25 the encoders' mask builder packs from
+``position_ids`` when no 2D mask is given, a dense [B, 1, L, L] mask; "tempo_efficient"'s mask
+function returns None for a mask that only packs, ``_efficient_mask_function``). Tempo's attentions read them: ``cu_seq_lens_q`` when given, else boundaries
 wherever a position is not the previous one + 1 (any start, so RoBERTa's ``padding_idx + 1``
 works). Then "tempo_efficient" runs ``efficient_attention_varlen`` (O(T) kept, Σ L² work, causal
 per sequence for decoders) when no other mask or bias applies, and both attentions otherwise AND
@@ -64,7 +66,7 @@ Versions: ``AttentionInterface`` appeared in transformers 4.50 and ``AttentionMa
 4.53; before 4.53 each model builds its own eager-style additive mask, so registering the
 attention function is enough there. BERT-family models dispatch through the interface from about
 4.54 (DistilBERT a little later); ``model_dispatches_attention`` checks the model's own source
-instead of trusting a version number. Tested with transformers 5.17 and 5.24; the 4.5x paths (no mask
+instead of trusting a version number. Tested with transformers 5.17 and 5.25; the 4.5x paths (no mask
 interface, GPT-2 layers that apply their causal mask inside eager attention) are written from
 those versions' APIs but not run here.
 """
@@ -142,7 +144,64 @@ def register_tempo_attention() -> None:
         masks.register(TEMPO_ATTENTION, masks._global_mapping["eager"])
         # "tempo_efficient": sdpa's, a boolean mask (True = attend), or None when nothing is masked
         # or causality alone masks (then is_causal is used), so fused kernels can take the call.
-        masks.register(TEMPO_EFFICIENT_ATTENTION, masks._global_mapping["sdpa"])
+        masks.register(TEMPO_EFFICIENT_ATTENTION, _efficient_mask_function(masks._global_mapping["sdpa"]))
+
+
+def _efficient_mask_function(sdpa_mask: Callable[..., Any]) -> Callable[..., Any]:
+    """sdpa's mask function for "tempo_efficient", less the mask that only packs.
+
+    From transformers 5.25 the mask builders read ``position_ids`` themselves: for a padding-free
+    batch without a 2D mask they AND the block-diagonal packing into the base mask, so an encoder
+    hands its layers a dense [B, 1, L, L] mask where 5.17-5.24 handed None. Tempo's layers know the
+    packing already (the call hook read it) and run the variable-length op only without a mask. So
+    when the current call is packed, no 2D mask was given, and the mask function is nothing but
+    transformers' packing over a bidirectional or causal base (``_only_packing``: its composition
+    read from the closures, no tensor read, nothing for a host or torch.compile to wait on), this
+    returns None: the layers apply the packing (and causality, by ``is_causal``) themselves, exactly.
+    Anything else (padding, windows, chunks, a user's overlay, a compiled trace) gets sdpa's mask."""
+
+    def mask_function(*args: Any, **kwargs: Any) -> Any:
+        if not args and not torch.compiler.is_compiling() and kwargs.get("attention_mask") is None:
+            call = _current_call()
+            packing = call.packing if call is not None else None
+            if (isinstance(packing, tuple) and tuple(packing[1].shape[:2]) == (
+                    kwargs.get("batch_size"), kwargs.get("q_length")) and kwargs.get("kv_length") ==
+                    kwargs.get("q_length") and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+                    and _only_packing(kwargs.get("mask_function"))):
+                return None
+        return sdpa_mask(*args, **kwargs)
+
+    mask_function.__wrapped__ = sdpa_mask
+    return mask_function
+
+
+_BASE_MASKS = ("bidirectional_mask_function", "causal_mask_function")  # what the layers apply without a mask
+_COMPOSERS = ("and_masks.", "remap_positions_for_packed_sequence.")  # closures over other mask functions
+_PACKING = "packed_sequence_mask_function."
+
+
+def _only_packing(mask_function: Any) -> bool:
+    """True when ``mask_function`` is transformers' packed-sequence mask ANDed with a bidirectional
+    or causal base, nothing more (qualnames in ``transformers.masking_utils``; the composers' closures
+    walked down to their leaves)."""
+    todo, packs = [mask_function], False
+    while todo:
+        fn = todo.pop()
+        name = getattr(fn, "__qualname__", "")
+        if not callable(fn) or getattr(fn, "__module__", None) != "transformers.masking_utils":
+            return False
+        if name.startswith(_PACKING):
+            packs = True
+        elif name.startswith(_COMPOSERS):
+            for cell in fn.__closure__ or ():
+                value = cell.cell_contents
+                if callable(value):
+                    todo.append(value)
+                elif isinstance(value, tuple):
+                    todo.extend(value)
+        elif name not in _BASE_MASKS:
+            return False
+    return packs
 
 
 def _modeling_file_dispatches(module_name: str) -> bool:
