@@ -1,0 +1,93 @@
+"""The planner's counting contracts, each with an oracle that does not share the code under test
+(issue 43): the allocator's rounding written out by hand, a peak summed from the tensors a step
+holds, the longest length the stock model itself accepts, the candidates' order spelled out, and a
+measured rate read against a clock the test controls."""
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the hf extra; CI installs it
+
+from tempo.plan.planner import recompute_candidates  # noqa: E402
+from tempo.plan.probe import max_positions  # noqa: E402
+from tempo.plan.trace import CUDA_BLOCK, MemoryTimeline  # noqa: E402
+
+confirm = importlib.import_module("tempo.plan.confirm")  # the module (tempo.plan.confirm is also a function's name)
+
+
+@pytest.mark.parametrize("nbytes, counted", [(0, 0), (1, 512), (4, 512), (511, 512), (512, 512), (513, 1024),
+                                             (1536, 1536), (1537, 2048)])
+def test_a_gpu_timeline_rounds_every_allocation_up_to_the_allocators_block(nbytes, counted):
+    """The CUDA caching allocator hands out whole 512-byte blocks: a storage of n bytes costs
+    ceil(n / 512) · 512, never less (rounding down would make every GPU plan count short)."""
+    assert CUDA_BLOCK == 512
+    timeline = MemoryTimeline(CUDA_BLOCK)
+    with timeline:
+        kept = torch.empty(nbytes, dtype=torch.uint8)
+    timeline.stop()
+    assert [a.nbytes for a in timeline.allocations] == [counted]
+    assert timeline.segments[("fwd", 0)].peak == counted
+    del kept
+
+
+def test_an_ops_inputs_are_alive_when_its_outputs_are_made():
+    """An op's last-use input dies only after the op returns: the peak counts the temporary input and
+    the output together (4 KB ones + 4 KB temporary + 4 KB output), not the output alone after the
+    input has gone."""
+    timeline = MemoryTimeline()
+    with timeline:
+        ones = torch.ones(1024)
+        out = torch.exp(ones * 2)  # the product is a temporary: dead once exp has returned
+    timeline.stop()
+    assert timeline.segments[("fwd", 0)].peak == 3 * 4096
+    assert timeline.live == 2 * 4096  # the temporary was freed, after the peak
+    del ones, out
+
+
+@pytest.mark.parametrize("make, prefix", [(transformers.BertConfig, "Bert"), (transformers.RobertaConfig, "Roberta")])
+def test_the_position_limit_is_the_longest_length_the_stock_model_accepts(make, prefix):
+    """RoBERTa's positions start at padding_idx + 1: a table of 20 serves 20 − 2 = 18 tokens. The
+    oracle is the stock model: the limit runs, one more token raises."""
+    config = make(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                  max_position_embeddings=20, pad_token_id=1)
+    model = getattr(transformers, f"{prefix}Model")(config).eval()
+    limit = max_positions(model)
+    with torch.no_grad():
+        model(input_ids=torch.full((1, limit), 5))
+        with pytest.raises((IndexError, RuntimeError)):
+            model(input_ids=torch.full((1, limit + 1), 5))
+
+
+def test_the_recompute_candidates_in_order():
+    """none; "selective" on 1..L blocks (spread); then "full" on 1..L with every other block
+    selective (when selective is available), else none: spelled out for L = 3."""
+    n, s, f = "none", "selective", "full"
+    assert recompute_candidates(3, ("none", "selective", "full")) == [
+        (n, n, n), (n, n, s), (n, s, s), (s, s, s), (s, s, f), (s, f, f), (f, f, f)]
+    assert recompute_candidates(3, ("none", "full")) == [(n, n, n), (n, n, f), (n, f, f), (f, f, f)]
+    assert recompute_candidates(2, ("none",)) == [(n, n)]
+
+
+def test_the_measured_rate_counts_every_timed_step(monkeypatch):
+    """DefaultMeasure's tokens/s is the real tokens of all ``steps`` timed steps over their time, on a
+    clock the test controls (2 s between the two reads confirm.py makes): 3 steps of T tokens -> 3T / 2."""
+    real_clock = confirm.time.perf_counter
+    readings = iter([100.0, 102.0])
+
+    def clock():
+        return next(readings) if sys._getframe(1).f_globals.get("__name__") == confirm.__name__ else real_clock()
+
+    monkeypatch.setattr(confirm.time, "perf_counter", clock)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16)
+
+    def batch(tokens):
+        ids = torch.full((tokens // 8, 8), 5)
+        return {"input_ids": ids, "labels": ids}
+
+    measure = confirm.DefaultMeasure(batch, steps=3, device="cpu")
+    result = measure(lambda: transformers.BertForMaskedLM(config), 32)
+    assert result.real_tokens == 32 and result.tokens_per_second == pytest.approx(3 * 32 / 2.0)
