@@ -465,7 +465,14 @@ def _restore_one(child: nn.Module) -> nn.Module:
 
 
 def revert_tempo(model: nn.Module) -> nn.Module:
-    """Put back every module apply_tempo replaced (the same objects) and every config object."""
+    """Undo everything Tempo put on ``model``; returns it.
+
+    Puts back every module apply_tempo replaced (the same objects), every class it switched and
+    every config object, and takes off every per-block recompute (``tempo.plan``'s ``Plan.apply``,
+    ``apply_recompute``, ``set_recompute``; with or without apply_tempo, before or after it:
+    ``tempo.plan.recompute.remove_recompute``). Afterwards every module has the class it had
+    before Tempo, no recompute mode in its ``__dict__`` and no hook Tempo registered, and a
+    training step runs each block's forward once: the stock model's loss and gradients."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"revert_tempo: argument 'model' must be a torch.nn.Module, got {type(model).__name__}")
     counts: Counter = Counter()
@@ -494,6 +501,12 @@ def revert_tempo(model: nn.Module) -> nn.Module:
             switch.undo()
             logger.info("revert_tempo: %s has its original config object%s back", type(model).__name__,
                         "s" if len(configs_of(model)) > 1 else "")
+    # After the modules are back: a hook set before apply_tempo on a module it replaced is back too.
+    from tempo.plan.recompute import remove_recompute
+
+    recomputed = remove_recompute(model)
+    if recomputed:
+        logger.info("revert_tempo: %d block%s without recompute again", recomputed, "" if recomputed == 1 else "s")
     return model
 
 

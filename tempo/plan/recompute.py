@@ -32,12 +32,14 @@ checkpoint (as transformers' own gradient checkpointing does since 5.2x), so FSD
 ledger's hooks run once. "selective" finds the Linear and activation outputs through forward hooks
 on those modules (module-level functions, found again by identity when removed: nothing in the
 model refers to another instance). ``set_recompute(block, "none")`` gives the block its class back
-and removes the hooks.
+and removes the hooks; ``remove_recompute(model)`` does that for every block of a model
+(``revert_tempo`` calls it: a reverted model is the stock model, recompute included).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 import weakref
@@ -215,8 +217,9 @@ class RecomputedBlock(nn.Module):
         if mode == "none" or not (self.training and torch.is_grad_enabled()):
             return original_forward(*args, **kwargs)
         if mode == "full":
+            args, kwargs = _without_cache(self, original_forward, args, kwargs)
             return checkpoint(original_forward, *args, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=_same_function_modes, **_without_cache(self, kwargs))
+                              context_fn=_same_function_modes, **kwargs)
         records = _Records()
 
         def pack(t: torch.Tensor) -> Any:
@@ -259,24 +262,51 @@ class _FunctionModes:
 
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")
 _logged_cache = False
+_POSITIONAL: dict[type, tuple[str, ...]] = {}  # recomputed class -> its forward's positional parameter names
 
 
-def _without_cache(block: nn.Module, kwargs: dict) -> dict:
-    """A recomputed block must not write a KV cache twice (the recomputation would append its keys
-    again): as transformers' own gradient checkpointing does, training with recompute runs without
-    one (logged once)."""
+def _positional_names(block: nn.Module, forward: Any) -> tuple[str, ...]:
+    """The names of ``forward``'s positional parameters, in order, up to a ``*args`` (after one,
+    a position names nothing); found once per class."""
+    cls = type(block)
+    if cls not in _POSITIONAL:
+        names = []
+        for parameter in inspect.signature(forward).parameters.values():
+            if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+                break
+            names.append(parameter.name)
+        _POSITIONAL[cls] = tuple(names)
+    return _POSITIONAL[cls]
+
+
+def _without_cache(block: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for ``forward`` (the block's original forward) under "full" recompute:
+    every argument named in ``_CACHE_ARGUMENTS`` that is not None becomes None and ``use_cache``,
+    when true, becomes False, whether passed by keyword (Llama: ``cache=``) or by position (GPT-2's
+    block takes its cache second). So neither the forward nor its recomputation in backward reads
+    or writes a KV cache (the recomputation would append its keys a second time), and no cache
+    is kept in the checkpoint: the caller's cache object is left as it was passed. As
+    transformers' own gradient checkpointing does, training with recompute runs without one
+    (logged once). Without a cache or a true ``use_cache``, ``args`` and ``kwargs`` are returned
+    as they are."""
     global _logged_cache
-    dropped = [k for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None]
-    if not dropped and not kwargs.get("use_cache"):
-        return kwargs
+    names = _positional_names(block, forward)
+    named = [(names[i] if i < len(names) else None, value) for i, value in enumerate(args)] + list(kwargs.items())
+    dropped = [name for name, value in named if name in _CACHE_ARGUMENTS and value is not None]
+    if not dropped and not any(name == "use_cache" and value for name, value in named):
+        return args, kwargs
     if not _logged_cache:
         _logged_cache = True
         logger.warning("tempo recompute: %s runs without a KV cache under full recompute (%s dropped; logged once)",
                        type(block).__name__, ", ".join(dropped or ["use_cache"]))
-    kwargs = {k: (None if k in _CACHE_ARGUMENTS else v) for k, v in kwargs.items()}
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    return kwargs
+
+    def without(name: Optional[str], value: Any) -> Any:
+        if name in _CACHE_ARGUMENTS:
+            return None
+        return False if name == "use_cache" else value
+
+    args = tuple(without(name, value) for (name, _), value in zip(named, args))
+    return args, {k: without(k, v) for k, v in kwargs.items()}
 
 
 def _unpack(saved: Any) -> torch.Tensor:
@@ -344,7 +374,14 @@ def recompute_of(block: nn.Module) -> str:
 
 
 def set_recompute(block: nn.Module, mode: str) -> nn.Module:
-    """Give ``block`` recompute ``mode`` (module docstring); returns it. Idempotent."""
+    """Give ``block`` recompute ``mode`` (module docstring); returns it. Idempotent.
+
+    Every call first takes off what an earlier one put on: the block's own class back, no mode
+    recorded in its ``__dict__``, and no hook this module registered left on the block or any
+    of its submodules. "none" stops there: afterwards ``type(block)`` is the class it had before
+    any set_recompute, ``recompute_of(block) == "none"`` and the block is the block it was
+    (every other hook and attribute untouched). "selective" and "full" then record the mode and
+    switch the class (and "selective" hooks its Linears and activations)."""
     if mode not in MODES:
         raise ValueError(f"set_recompute: argument 'mode' must be one of {MODES}, got {mode!r}")
     if not isinstance(block, nn.Module):
@@ -375,6 +412,19 @@ def set_recompute(block: nn.Module, mode: str) -> nn.Module:
     return block
 
 
+def remove_recompute(model: nn.Module) -> int:
+    """``set_recompute(m, "none")`` for every module ``m`` of ``model`` with a recompute, then the
+    hooks this module registered off every module of the tree (one left on a module that was
+    outside the tree when its block was set back: an original ``apply_tempo`` had replaced, put
+    back by ``revert_tempo``). Afterwards no module of ``model`` has a recompute class, mode or
+    hook. Returns how many modules had a recompute."""
+    blocks = [m for m in model.modules() if isinstance(m, RecomputedBlock) or _MODE in m.__dict__]
+    for block in blocks:
+        set_recompute(block, "none")
+    _remove_marks(model)
+    return len(blocks)
+
+
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     """The model's repeated Transformer blocks: its longest nn.ModuleList whose entries are all of
     one class (bert.encoder.layer, model.layers, transformer.h)."""
@@ -396,4 +446,4 @@ def apply_recompute(model: nn.Module, modes: list[str], blocks: Optional[nn.Modu
 
 
 __all__ = ["MODES", "RecomputedBlock", "apply_recompute", "recompute_of", "recomputed_class", "recomputed_parts",
-           "set_recompute", "transformer_blocks"]
+           "remove_recompute", "set_recompute", "transformer_blocks"]
