@@ -136,7 +136,7 @@ def test_each_run_gets_the_tokens_max_tokens_auto_would_plan(shards):
     """The demo plans each run as run_pretraining.py's --max_tokens auto does (its model, tempo=False, the
     first shard's lengths), the padded runs at s: the tokens agree, and each plan fits the budget."""
     from tempo.bert.data.pretraining_dataset import list_shards
-    from tempo.bert.data.token_budget import shard_lengths
+    from tempo.bert.data.pretraining_dataset import shard_lengths
     from tempo.train.flags import planned_max_tokens
 
     plans = demo.plan_runs(shards["config"], shards["shards"], 32, "8MiB", on_gpu=False)

@@ -28,10 +28,10 @@ from tempo.bert.data.token_budget import (
     loss_weights,
     mask_lengths,
     plan_steps,
-    shard_lengths,
     token_lengths,
     trainer_dataloader,
 )
+from tempo.bert.data.pretraining_dataset import shard_lengths
 from tempo.train.dllog import read_dllog
 
 REPO = Path(__file__).resolve().parent.parent

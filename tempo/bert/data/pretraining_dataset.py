@@ -62,7 +62,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .create_pretraining_data import SHARD_KEYS
-from .token_budget import TokenBudget, TokenBudgetError, TrimPadding, mask_lengths, plan_steps, shard_lengths
+from .token_budget import TokenBudget, TokenBudgetError, TrimPadding, mask_lengths, plan_steps
 from .tokenization import DataError
 
 
@@ -106,6 +106,22 @@ def shard_shapes(path: Path) -> tuple[int, int, int]:
     except H5_ERRORS as exc:
         raise ShardError(f"cannot read shard {path}: its HDF5 structure is damaged "
                          f"({type(exc).__name__}: {exc})") from None
+
+
+def shard_lengths(path: str | os.PathLike, rows_per_read: int = 65536) -> np.ndarray:
+    """Real tokens of every sample of a DLE HDF5 shard: its ``input_mask`` read in slices of rows,
+    nothing else (a shard of 100,000 rows at s = 512 reads 51 MB of int8 mask)."""
+    try:
+        with _open(Path(path)) as f:
+            if "input_mask" not in f:
+                raise ShardError(f"shard {path} has no input_mask dataset: cannot read its lengths")
+            mask = f["input_mask"]
+            parts = [mask_lengths(mask[i:i + rows_per_read]) for i in range(0, mask.shape[0], rows_per_read)]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    except ShardError:
+        raise
+    except H5_ERRORS as exc:
+        raise ShardError(f"cannot read the input_mask of shard {path}: {type(exc).__name__}: {exc}") from None
 
 
 def _shard_shapes(path: Path) -> tuple[int, int, int]:

@@ -36,7 +36,7 @@ a SQuAD window).
 ``max_sequences`` caps the sequences of a batch (a model or loss may need it: in-batch negatives,
 a kernel's batch limit). ``TrimPadding`` collates samples that are stored padded to a fixed length
 (the HDF5 shards, SQuAD features) and cuts the columns past the batch's longest sequence, rounded up
-to ``pad_to_multiple_of``. Lengths come from ``shard_lengths`` (a DLE HDF5 shard: one pass over its
+to ``pad_to_multiple_of``. Lengths come from ``pretraining_dataset.shard_lengths`` (a DLE HDF5 shard: one pass over its
 ``input_mask``), ``mask_lengths`` (any [N, L] 0/1 mask, e.g. ``SquadFeatures.input_mask``) or
 ``token_lengths`` (texts through a tokenizer, for the HF Trainer and sentence-transformers).
 
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -337,24 +336,6 @@ def mask_lengths(mask: Any) -> np.ndarray:
     return np.count_nonzero(array, axis=1).astype(np.int64)
 
 
-def shard_lengths(path: str | os.PathLike, rows_per_read: int = 65536) -> np.ndarray:
-    """Real tokens of every sample of a DLE HDF5 shard: its ``input_mask`` read in slices of rows,
-    nothing else (a shard of 100,000 rows at s = 512 reads 51 MB of int8 mask)."""
-    from .pretraining_dataset import H5_ERRORS, ShardError, _open
-
-    try:
-        with _open(Path(path)) as f:
-            if "input_mask" not in f:
-                raise ShardError(f"shard {path} has no input_mask dataset: cannot read its lengths")
-            mask = f["input_mask"]
-            parts = [mask_lengths(mask[i:i + rows_per_read]) for i in range(0, mask.shape[0], rows_per_read)]
-            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    except ShardError:
-        raise
-    except H5_ERRORS as exc:
-        raise ShardError(f"cannot read the input_mask of shard {path}: {type(exc).__name__}: {exc}") from None
-
-
 def token_lengths(tokenizer: Callable[..., Any], *columns: Sequence[str],
                   max_length: Optional[int] = None) -> np.ndarray:
     """Tokens per sample of text columns through a transformers tokenizer (special tokens included,
@@ -496,7 +477,13 @@ def _wikipedia_like(work: Path, seq_len: int, documents: int, seed: int) -> np.n
         train_wordpiece_vocab([text / "articles.txt"], 2048, vocab)
     shards = create_shards(text, work / f"shards_{seq_len}", vocab, max_seq_length=seq_len,
                            max_predictions_per_seq=max(2, seq_len * 15 // 100), dupe_factor=2, random_seed=seed)
-    return np.concatenate([shard_lengths(p) for p in shards])
+    import h5py  # the shards just written: their input_mask, read whole
+
+    lengths = []
+    for path in shards:
+        with h5py.File(path, "r") as f:
+            lengths.append(mask_lengths(f["input_mask"][:]))
+    return np.concatenate(lengths)
 
 
 def _squad_like(work: Path, seq_len: int, questions: int, seed: int) -> np.ndarray:
