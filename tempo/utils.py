@@ -1,14 +1,18 @@
-"""Small helpers every stage uses, written once: atomic writes, byte sizes, the git commit, unwrapping.
+"""Small helpers every stage uses, written once: atomic writes, byte sizes, the command lines' number
+types, the git commit, unwrapping.
 
 Nothing here imports another tempo module, so any stage may use it.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any, Iterator, Optional, Union
@@ -81,6 +85,81 @@ def format_bytes(n: Optional[float]) -> str:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
 
+
+def positive_size(text: str) -> int:
+    """An argparse ``type=`` for a memory size flag: a positive byte size as ``parse_bytes`` reads it
+    (2GiB, 512MB, 1.5e9), in bytes; else a one-line error."""
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not value:  # 0, or a fraction of a byte
+        raise argparse.ArgumentTypeError(f"must be a positive size (e.g. 2GiB, 512MB), got {text!r}")
+    return value
+
+
+# -- number flags: argparse ``type=`` values, so every CLI refuses a bad number when it is parsed -------------
+@dataclass(frozen=True)
+class NumberArg:
+    """An argparse ``type=`` for a number flag: an int (``integer``) or a finite float in [low, high]
+    (``low_open``/``high_open``: that end excluded; None: unbounded), or exactly ``sentinel`` (an int
+    flag's "not set" value, such as DLE's -1). Anything else, NaN and inf included, is refused with
+    one line, which argparse prints as "argument --flag: must be ..., got X" before exiting with
+    status 2. The bounds stay readable so that tests can derive bad values from them."""
+
+    integer: bool
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    sentinel: Optional[int] = None
+
+    @property
+    def want(self) -> str:
+        if self.integer and self.low == 1 and self.high is None:
+            text = "a positive integer"
+        else:
+            bounds = []
+            if self.low is not None:
+                bounds.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+            if self.high is not None:
+                bounds.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+            text = ("an integer" if self.integer else "a finite number") + (
+                " " + " and ".join(bounds) if bounds else "")
+        return text if self.sentinel is None else f"{text} or {self.sentinel}"
+
+    def __call__(self, text: str) -> Union[int, float]:
+        try:
+            value = int(text) if self.integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self.want}, got {text!r}") from None
+        if value == self.sentinel:
+            return value
+        low, high = self.low, self.high
+        if (not math.isfinite(value) or (low is not None and (value <= low if self.low_open else value < low))
+                or (high is not None and (value >= high if self.high_open else value > high))):
+            raise argparse.ArgumentTypeError(f"must be {self.want}, got {text}")
+        return value
+
+
+def int_in(low: Optional[int] = None, high: Optional[int] = None, sentinel: Optional[int] = None) -> NumberArg:
+    """``type=`` for an int flag in [low, high], or ``sentinel``."""
+    return NumberArg(True, low, high, sentinel=sentinel)
+
+
+def number_in(low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,
+              high_open: bool = False) -> NumberArg:
+    """``type=`` for a finite float flag in [low, high] (``low_open``/``high_open``: that end excluded)."""
+    return NumberArg(False, low, high, low_open, high_open)
+
+
+positive_int = int_in(1)  # counts: lengths, batches, steps, repeats
+non_negative_int = int_in(0)  # warm-up steps, workers, seeds
+positive_int_or_unset = int_in(1, sentinel=-1)  # DLE's "-1 = not set" counts: --max_steps, --steps_this_run
+finite_number = number_in()
+positive_number = number_in(0.0, low_open=True)  # learning rates, time limits, TFLOPS
+non_negative_number = number_in(0.0)  # weight decay, clipping norm, epochs
+proportion = number_in(0.0, 1.0, high_open=True)  # warm-up and padding shares, dropout rates: [0, 1)
 
 # -- provenance ---------------------------------------------------------------------------------------
 @lru_cache(maxsize=1)

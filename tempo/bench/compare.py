@@ -28,6 +28,7 @@ import torch
 from tempo.bench.common import BenchError
 from tempo.bench.timing import spread
 from tempo.choices import TempoChoice
+from tempo.utils import non_negative_int, number_in, positive_int, proportion
 
 VARIANT_CHOICES = {
     "original": TempoChoice.none,
@@ -61,15 +62,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="original,all", help="comma-separated variants (see above)")
     p.add_argument("--mode", choices=("train", "predict"), default="train")
     p.add_argument("--model", default="minilm", help="'minilm' (the shipped checkpoint) or one of our configs")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--padding", type=float, default=0.0, help="share of padding tokens to draw, 0..0.5")
-    p.add_argument("--steps", type=int, default=3, help="steps per timed measurement")
-    p.add_argument("--repeats", type=int, default=5, help="measurements per variant (median taken)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    p.add_argument("--dropout", type=float, default=None, help="override the config's dropout rates")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--padding", type=number_in(0.0, 0.5), default=0.0, help="share of padding tokens to draw, 0..0.5")
+    p.add_argument("--steps", type=positive_int, default=3, help="steps per timed measurement")
+    p.add_argument("--repeats", type=positive_int, default=5, help="measurements per variant (median taken)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps per variant first")
+    p.add_argument("--dropout", type=proportion, default=None, help="override the config's dropout rates")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
 
 
 def _config(name: str, dropout):

@@ -605,6 +605,8 @@ def _layer_section(out: Path) -> list[str]:
 # Command line
 # ------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tempo.utils import positive_number
+
     p.add_argument("--full", action="store_true",
                    help=f"the full 25-minute plan (default: the quick plan, at most {QUICK_BUDGET_S} s)")
     p.add_argument("--dry-run", action="store_true",
@@ -613,7 +615,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", type=parse_parts, default=None,
                    help="the full plan's parts (implies --full): " + ", ".join(f"{n} ({name})" for n, name in PARTS.items())
                         + f"; each part's limits add up to at most {PART_LIMIT_S} s (default: all)")
-    p.add_argument("--time-limit", type=float, default=None,
+    p.add_argument("--time-limit", type=positive_number, default=None,
                    help=f"no stage starts after this many seconds (default: quick plan {QUICK_DEADLINE_S}; full plan "
                         f"the selected stages' limits added up, {DEFAULT_TIME_LIMIT_S} for all)")
     p.add_argument("--results-root", default="results", help="results/<gpu>/<timestamp>/ goes here")
@@ -741,8 +743,6 @@ def main(args: argparse.Namespace) -> int:
 
     from tempo.bench.common import BenchError
 
-    if args.time_limit is not None and args.time_limit <= 0:
-        raise BenchError(f"--time-limit must be positive, got {args.time_limit}")
     plan = "full" if args.full or args.part is not None else "quick"
     on_cuda = torch.cuda.is_available()
     if not on_cuda and not args.dry_run:

@@ -27,6 +27,7 @@ import torch
 
 from tempo.choices import TempoChoice
 from tempo.bench.timing import on_device, spread, time_fn
+from tempo.utils import non_negative_int, positive_int
 
 SHAPES = {"substation": [(8, 512), (96, 128)], "tiny": [(2, 32)]}
 VARIANTS = ("original", "tempo", "sdpa", "tempo-sdpa", "tempo-floor", "compiled", "hf-eager", "hf-sdpa")
@@ -37,11 +38,12 @@ _LEDGER_NAME = {"original": "original", "tempo": "tempo", "sdpa": "original+sdpa
 
 
 def _parse_shape(text: str) -> tuple[int, int]:
+    """``--shape BATCHxSEQ``: two positive integers."""
     try:
         b, s = text.lower().split("x")
-        return int(b), int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape must look like 8x512 (batch x seq), got {text!r}") from None
+        return positive_int(b), positive_int(s)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"shape must look like 8x512 (positive batch x seq), got {text!r}") from None
 
 
 def build_layer(variant: str, config: Any, device: str) -> tuple[Callable[..., torch.Tensor], bool, bool]:
@@ -138,8 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(MODES), help="comma list of fwd,bwd,fwd+bwd")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--device", default=None)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=non_negative_int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--out", default=None, help="JSON output file")
 
 

@@ -550,7 +550,9 @@ def _progress(total: int) -> Any:
                 disable=None)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from tempo.utils import positive_size
+
     parser = argparse.ArgumentParser(
         prog="python -m tempo.memory",
         description="Bytes autograd keeps for backward per token per encoder layer (units of h): one BERT-large "
@@ -575,16 +577,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stack", action="store_true", help="leave out the per-added-layer (stack) table")
     parser.add_argument("--no-families", action="store_true",
                         help="leave out the transformers families' tables")
-    parser.add_argument("--budget", default=DEFAULT_BUDGET,
+    parser.add_argument("--budget", type=positive_size, default=DEFAULT_BUDGET,
                         help=f"memory budget of the largest-batch table (default {DEFAULT_BUDGET}: a 24 GB GPU)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     families = _families(parser, args.families)
-    from tempo.utils import parse_bytes
-
-    try:
-        budget = parse_bytes(args.budget)
-    except ValueError as exc:
-        parser.error(f"--budget: {exc}")
+    budget = args.budget
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.device != "cpu" and args.device.split(":")[0] != "cuda":
         parser.error(f"--device {args.device}: unknown device; valid: cpu, cuda, cuda:N")

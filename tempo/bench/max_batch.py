@@ -64,12 +64,13 @@ def train_probe_template(train_argv: list[str]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tempo.bench.train_bench import add_train_args
+    from tempo.utils import positive_int, positive_number
 
     p.add_argument("--command", default=None,
                    help='generic mode: a command line containing {batch}, e.g. "python run_squad.py --train_batch_size {batch}"')
-    p.add_argument("--start", type=int, default=1, help="first batch tried")
-    p.add_argument("--max", dest="max_batch", type=int, default=None, help="never try more than this")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per probe")
+    p.add_argument("--start", type=positive_int, default=1, help="first batch tried")
+    p.add_argument("--max", dest="max_batch", type=positive_int, default=None, help="never try more than this")
+    p.add_argument("--timeout", type=positive_number, default=None, help="seconds per probe")
     p.add_argument("--out", default=None, help="write the JSON result here")
     add_train_args(p, with_batch_size=False)
 

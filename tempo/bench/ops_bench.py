@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tempo.bench.timing import on_device, spread, time_fn
+from tempo.utils import non_negative_int, positive_int
 
 SHAPES = {"bert-large": dict(batch=8, seq=512, hidden=1024, intermediate=4096, heads=16, head_dim=64),
           "tiny": dict(batch=2, seq=32, hidden=64, intermediate=256, heads=2, head_dim=32)}
@@ -168,8 +169,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-input-bytes", type=_bytes_arg, default=None,
                    help="raise each op's batch until its input holds this many bytes, e.g. 100MB "
                         "(default: 2x the L2 cache on CUDA, 0 on the CPU)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--warmup", type=non_negative_int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=30)
     p.add_argument("--out", default=None, help="JSON output file")
 
 

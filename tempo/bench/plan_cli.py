@@ -66,15 +66,17 @@ def _parser() -> argparse.ArgumentParser:
     from tempo.plan.budget import DEVICES
     from tempo.plan.planner import PRECISIONS
     from tempo.plan.states import OPTIMIZERS
+    from tempo.utils import positive_int, positive_size
 
     parser = argparse.ArgumentParser(prog="python -m tempo.plan", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bert-large", choices=sorted(FAMILIES), help="the model (default bert-large)")
     parser.add_argument("--task", default="mlm", choices=sorted(TASKS), help="its head (default mlm)")
     lengths = parser.add_mutually_exclusive_group()
-    lengths.add_argument("--seq-len", type=int, default=None, help="one sequence length (default 512)")
+    lengths.add_argument("--seq-len", type=positive_int, default=512, help="one sequence length (default 512)")
     lengths.add_argument("--lengths", metavar="FILE", help="a sample of the data's sequence lengths, one per line")
-    parser.add_argument("--budget", default="24GiB", help="memory for the tensors of a step (default 24GiB)")
+    parser.add_argument("--budget", type=positive_size, default="24GiB",
+                        help="memory for the tensors of a step (default 24GiB)")
     parser.add_argument("--device", default="h100", help=f"cuda (the current GPU) or one of {', '.join(DEVICES)}")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
@@ -124,7 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     start = time.perf_counter()
     say = _progress(start)
-    lengths: Any = read_lengths(args.lengths) if args.lengths else (args.seq_len or 512)
+    lengths: Any = read_lengths(args.lengths) if args.lengths else args.seq_len
     say(f"building {args.model} ({args.task}) on the meta device")
     model = build_family(args.model, args.task)
     try:

@@ -78,10 +78,11 @@ def _events(averages: Any, on_cuda: bool) -> list[tuple[str, int, float]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tempo.bench.train_bench import add_train_args
+    from tempo.utils import positive_int
 
     add_train_args(p)
     p.set_defaults(steps=5, warmup=3)
-    p.add_argument("--top", type=int, default=20, help="rows of the top-kernels table")
+    p.add_argument("--top", type=positive_int, default=20, help="rows of the top-kernels table")
     p.add_argument("--results-root", default="results")
     p.add_argument("--out-dir", default=None)
 

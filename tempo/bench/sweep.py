@@ -114,16 +114,19 @@ def run_row(cfg: TrainBenchConfig, out_json: Path, isolate: bool, timeout: float
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tempo.utils import positive_int, positive_number
+
     add_train_args(p)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="batch sweep over these sizes")
-    p.add_argument("--batch-range", type=int, nargs=2, metavar=("START", "STOP"), default=None,
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=None, help="batch sweep over these sizes")
+    p.add_argument("--batch-range", type=positive_int, nargs=2, metavar=("START", "STOP"), default=None,
                    help="batch sweep doubling from START up to STOP")
     p.add_argument("--techniques", default=None,
                    help=f"technique matrix rows: 'all' or a comma list of {','.join(TECHNIQUE_NAMES)}")
-    p.add_argument("--matrix-batch", type=int, default=None, help="batch of the technique rows (default --batch-size)")
+    p.add_argument("--matrix-batch", type=positive_int, default=None,
+                   help="batch of the technique rows (default --batch-size)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                    help="each row in a fresh subprocess (default on)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per row")
+    p.add_argument("--timeout", type=positive_number, default=None, help="seconds per row")
     p.add_argument("--results-root", default="results", help="results/<gpu-or-cpu>/<timestamp>/ goes here")
     p.add_argument("--out-dir", default=None, help="exact output directory instead")
 

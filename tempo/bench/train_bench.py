@@ -36,7 +36,8 @@ from tempo.bench.timing import spread
 from tempo.train.flags import add_training_flags
 from tempo.train.runtime import autocast_context, configure_matmul_precision, peak_memory_bytes, wrap_ddp
 from tempo.train.step import StepClock, TrainStep
-from tempo.utils import format_bytes, parse_bytes
+from tempo.utils import (format_bytes, non_negative_int, number_in, positive_int, positive_number,
+                         positive_size)
 
 OPTIMIZERS = ("adamw", "adamw_fused", "lamb", "adafactor", "adamw8bit")
 
@@ -113,17 +114,17 @@ def add_train_args(p: argparse.ArgumentParser, with_batch_size: bool = True) -> 
     d = TrainBenchConfig()
     p.add_argument("--model", default=d.model,
                    help="bert_tiny/mini/base/large, a config JSON, hf:bert-large or hf:<local dir>")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
     if with_batch_size:
-        p.add_argument("--batch-size", type=int, default=d.batch_size, help="micro-batch per device")
-    p.add_argument("--max-predictions", type=int, default=None, help="MLM positions (default 15%% of seq-len)")
+        p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="micro-batch per device")
+    p.add_argument("--max-predictions", type=positive_int, default=None, help="MLM positions (default 15%% of seq-len)")
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr", type=positive_number, default=d.lr)
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per encoder layer")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
-    p.add_argument("--steps", type=int, default=d.steps, help="timed steps")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
+    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="timed steps")
+    p.add_argument("--warmup", type=non_negative_int, default=d.warmup, help="untimed steps first")
     p.add_argument("--tempo", action="store_true", help=f"the default: every Tempo layer with efficient attention (= --tempo-layers "
                         f"{','.join(LAYER_KINDS)} --attention efficient); the paper's: --tempo-layers "
                         f"{','.join(PAPER_KINDS)} --attention tempo")
@@ -133,15 +134,16 @@ def add_train_args(p: argparse.ArgumentParser, with_batch_size: bool = True) -> 
                    help="attention core (default: tempo when Tempo attention is on, else eager)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--unpad", action="store_true", help="compute on the real tokens only (our BERT; tempo.unpad)")
-    p.add_argument("--padding", type=float, default=d.padding,
+    p.add_argument("--padding", type=number_in(0.0, 0.5), default=d.padding,
                    help="share of padding tokens in the synthetic batches, 0..0.5: each sequence's length is "
                         "drawn uniformly from [L(1-2P), L] (default 0: packed data)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--memory-budget", type=parse_bytes, default=None,
+    p.add_argument("--seed", type=non_negative_int, default=d.seed)
+    p.add_argument("--memory-budget", type=positive_size, default=None,
                    help="simulate OOM above this many bytes of weights+grads+states+activations (e.g. 2GiB)")
     p.add_argument("--flops-formula", choices=FORMULAS, default=d.flops_formula)
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU when the GPU is not in the table")
+    p.add_argument("--peak-tflops", type=positive_number, default=None,
+                   help="peak for MFU when the GPU is not in the table")
     p.add_argument("--hf-head", choices=("pretraining", "mlm"), default=d.hf_head)
     add_training_flags(p, dashes=True)
 

@@ -115,15 +115,17 @@ def _per_op_lines(workload: Workload, target) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tempo.utils import positive_int, proportion
+
     parser = argparse.ArgumentParser(
         prog="python -m tempo.movement",
         description="Bytes moved (Substation's data-movement count) and projected GPU time of BERT-large, forward + "
                     "backward, per Tempo choice, counted on the CPU with fake tensors as the CUDA kernels move them.")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--batch", type=int, default=None,
+    parser.add_argument("--seq-lens", type=positive_int, nargs="+", default=[128, 512])
+    parser.add_argument("--batch", type=positive_int, default=None,
                         help="batch for every sequence length (default: Substation's, 96 at s=128 and 8 at s=512)")
     parser.add_argument("--choices", nargs="+", default=list(CHOICES), choices=list(CHOICES))
-    parser.add_argument("--padding-share", type=float, default=0.5,
+    parser.add_argument("--padding-share", type=proportion, default=0.5,
                         help="padding share of the padded batch the unpadded rows are counted on (default 0.5)")
     parser.add_argument("--no-unpad", action="store_true", help="skip the padded-batch / unpadded rows")
     parser.add_argument("--model", action="store_true",
@@ -149,12 +151,6 @@ def _batch_for(seq_len: int, batch: Optional[int]) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if any(s <= 0 for s in args.seq_lens) or (args.batch is not None and args.batch <= 0):
-        print("--seq-lens and --batch must be positive", file=sys.stderr)
-        return 2
-    if not 0.0 <= args.padding_share < 1.0:
-        print(f"--padding-share must be in [0, 1), got {args.padding_share}", file=sys.stderr)
-        return 2
     table = gpus()
     reference = target_of(table[REFERENCE_GPU])
     hidden = 1024

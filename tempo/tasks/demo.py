@@ -249,7 +249,7 @@ def plan_runs(config_path: Path, shard_dir: Path, seq_len: int, budget: str, on_
     """Each variant's plan for ``budget``, on the first shard's lengths (as ``--max_tokens auto``); a
     variant that runs another's plan gets that one (the same micro-batches, the same steps)."""
     from tempo.bert.data.pretraining_dataset import list_shards
-    from tempo.bert.data.token_budget import shard_lengths
+    from tempo.bert.data.pretraining_dataset import shard_lengths
 
     lengths = shard_lengths(list_shards(shard_dir)[0])
     plans = equal_steps({v.key: plan_run(v, config_path, lengths, seq_len, budget, on_gpu)
@@ -485,7 +485,9 @@ def device_note(on_gpu: bool) -> str:
             "is the gain.")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from tempo.utils import non_negative_int, positive_int, positive_number
+
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
         epilog="--quick: a smoke run (300 documents, s = 128, 10 steps per run, 32MiB, unless given), for CI and "
@@ -494,20 +496,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="a smoke run: 300 documents, s = 128, 10 steps per run, a 32MiB budget (each unless "
                              "given)")
     parser.add_argument("--work_dir", default="out/demo", help="where corpus, shards and runs go")
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=positive_int, default=None,
                         help=f"optimizer steps per run (default {DEFAULTS['steps']}; --quick {QUICK['steps']})")
-    parser.add_argument("--seq_len", type=int, default=None, help="sequence length (default 512; --quick 128)")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--documents", type=int, default=None,
+    parser.add_argument("--seq_len", type=positive_int, default=None, help="sequence length (default 512; --quick 128)")
+    parser.add_argument("--lr", type=positive_number, default=2e-3)
+    parser.add_argument("--documents", type=positive_int, default=None,
                         help=f"generated documents ({DOCS_PER_ARTICLE} to an article; default 1500, --quick 300)")
-    parser.add_argument("--vocab_size", type=int, default=2048)
+    parser.add_argument("--vocab_size", type=positive_int, default=2048)
     parser.add_argument("--config", default=str(CONFIGS_DIR / "bert_tiny.json"))
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=non_negative_int, default=1)
     parser.add_argument("--memory_budget", default=None,
                         help=f"the memory each run's step may use (weights, gradients, optimizer states, "
                              f"activations): the planner fits each run's micro-batch to it (default "
                              f"{DEFAULTS['memory_budget']}; --quick {QUICK['memory_budget']})")
     parser.add_argument("--verbose", action="store_true", help="print each run's command line and the trainer's output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     from tempo.utils import parse_bytes
 
@@ -520,9 +527,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("must be a positive size")
     except ValueError as exc:
         parser.error(f"--memory_budget {args.memory_budget!r}: {exc} (e.g. 128MiB, 1GiB)")
-    for name in ("steps", "seq_len", "documents", "vocab_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

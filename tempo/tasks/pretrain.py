@@ -53,10 +53,7 @@ from tempo.train.flags import (
     add_token_budget_flags,
     add_training_flags,
     check_max_tokens,
-    non_negative_number,
     planned_max_tokens,
-    positive_number,
-    proportion,
     tempo_choice_from_args,
     token_budget_from_args,
 )
@@ -78,6 +75,15 @@ from tempo.train.runtime import (
     wrap_ddp,
 )
 from tempo.train.step import StepClock, TrainStep, default_excluded_steps
+from tempo.utils import (
+    int_in,
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+    positive_int_or_unset,
+    positive_number,
+    proportion,
+)
 
 PROG = "run_pretraining.py"
 
@@ -92,33 +98,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vocab.txt; checked against the config's vocab_size when given")
     p.add_argument("--init_checkpoint", type=str, default=None,
                    help="initial weights: HF safetensors file/dir, DLE .pt, or one of our checkpoint dirs")
-    p.add_argument("--max_seq_length", type=int, default=512)
-    p.add_argument("--max_predictions_per_seq", type=int, default=80)
-    p.add_argument("--train_batch_size", type=int, default=32,
+    p.add_argument("--max_seq_length", type=positive_int, default=512)
+    p.add_argument("--max_predictions_per_seq", type=positive_int, default=80)
+    p.add_argument("--train_batch_size", type=positive_int, default=32,
                    help="sequences per GPU per optimizer step (split over accumulation steps)")
     p.add_argument("--learning_rate", type=positive_number, default=5e-5)
-    p.add_argument("--max_steps", type=int, default=1000, help="optimizer steps of this phase")
+    p.add_argument("--max_steps", type=positive_int, default=1000, help="optimizer steps of this phase")
     p.add_argument("--warmup_proportion", type=proportion, default=0.01)
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
+    p.add_argument("--seed", type=non_negative_int, default=42)
     p.add_argument("--fp16", "--amp", dest="fp16", action="store_true", help="fp16 autocast + GradScaler")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in fp32 runs (Ampere+)")
     p.add_argument("--log_freq", type=positive_number, default=1.0, help="log every N steps")
     p.add_argument("--checkpoint_activations", action="store_true", help="recompute each layer in backward")
     p.add_argument("--resume_from_checkpoint", action="store_true")
-    p.add_argument("--resume_step", type=int, default=-1, help="checkpoint step to resume (-1 = latest)")
-    p.add_argument("--num_steps_per_checkpoint", type=int, default=100)
+    p.add_argument("--resume_step", type=int_in(-1), default=-1, help="checkpoint step to resume (-1 = latest)")
+    p.add_argument("--num_steps_per_checkpoint", type=positive_int, default=100)
     p.add_argument("--phase2", action="store_true")
-    p.add_argument("--phase1_end_step", type=int, default=7038)
+    p.add_argument("--phase1_end_step", type=non_negative_int, default=7038)
     p.add_argument("--do_train", action="store_true", help="accepted for DLE compatibility (training always runs)")
     p.add_argument("--json-summary", "--json_summary", dest="json_summary", type=str, default=None,
                    help="DLLogger JSON lines file (default: <output_dir>/dllogger.json)")
     p.add_argument("--skip_checkpoint", action="store_true")
-    p.add_argument("--num_workers", type=int, default=2, help="data-loader worker processes")
+    p.add_argument("--num_workers", type=non_negative_int, default=2, help="data-loader worker processes")
     p.add_argument("--disable_progress_bar", action="store_true")
-    p.add_argument("--steps_this_run", type=int, default=-1, help="stop after this many steps in this run")
-    p.add_argument("--local_rank", type=int, default=-1, help="set by torch.distributed.launch; torchrun uses env")
+    p.add_argument("--steps_this_run", type=positive_int_or_unset, default=-1,
+                   help="stop after this many steps in this run (-1 = no limit)")
+    p.add_argument("--local_rank", type=int_in(-1), default=-1,
+                   help="set by torch.distributed.launch; torchrun uses env")
     p.add_argument("--allreduce_post_accumulation", action="store_true",
                    help="accepted for DLE compatibility: DDP always all-reduces once per optimizer step")
     p.add_argument("--allreduce_post_accumulation_fp16", action="store_true", help="accepted, no effect")
@@ -127,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["lamb", "adamw", "adamw_fused"], default="lamb")
     p.add_argument("--weight_decay", type=non_negative_number, default=0.01)
     p.add_argument("--no_cuda", action="store_true", help="train on the CPU even when a GPU is present")
-    p.add_argument("--warmup_steps_excluded", type=int, default=None,
+    p.add_argument("--warmup_steps_excluded", type=non_negative_int, default=None,
                    help="steps left out of the throughput figure (default: 10%% of the run, at least 1)")
     add_training_flags(p, nonfinite_flag=True)
     add_tempo_flags(p)
@@ -143,10 +151,6 @@ def validate_args(args: argparse.Namespace, config: Any) -> None:
     if args.input_dir is not None and not args.synthetic_data:
         if not os.path.isdir(args.input_dir):
             raise UsageError(f"--input_dir {args.input_dir!r} does not exist or is not a directory")
-    for name in ("train_batch_size", "max_steps", "gradient_accumulation_steps", "max_seq_length",
-                 "max_predictions_per_seq", "num_steps_per_checkpoint"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
     if args.max_tokens is None and args.train_batch_size % args.gradient_accumulation_steps:
         raise UsageError(f"--train_batch_size {args.train_batch_size} is not divisible by "
                          f"--gradient_accumulation_steps {args.gradient_accumulation_steps}")
@@ -326,7 +330,7 @@ def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
 def _plan_max_tokens(args: argparse.Namespace, model: torch.nn.Module, rt: Runtime, precision: str) -> None:
     """--max_tokens auto: the planner's tokens per step, for the lengths of the first shard."""
     from tempo.bert.data.pretraining_dataset import list_shards
-    from tempo.bert.data.token_budget import shard_lengths
+    from tempo.bert.data.pretraining_dataset import shard_lengths
 
     args.max_tokens = planned_max_tokens(model, shard_lengths(list_shards(args.input_dir)[0]), rt.device, precision,
                                          args.optimizer, args.memory_budget)

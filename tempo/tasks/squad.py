@@ -10,7 +10,7 @@ differences worth knowing:
     ``--init_checkpoint`` (a HF folder such as MiniLM's, or a folder we saved).
   * ``--init_checkpoint`` takes a HF safetensors file/folder, a DLE .pt, a run_pretraining.py
     checkpoint folder (ckpt_N) or its output_dir (the latest checkpoint is used).
-  * ``--max_steps`` > 0 overrides ``--num_train_epochs`` (the data repeats as needed).
+  * ``--max_steps`` (other than -1) overrides ``--num_train_epochs`` (the data repeats as needed).
   * ``--max_tokens N`` replaces ``--train_batch_size``: each micro-batch holds whole windows up to
     N tokens per GPU (real tokens with ``--unpad``, the padded batch with ``--no-unpad``;
     ``--token_batching bucket|pack``; tempo/bert/data/token_budget.py), every window once per
@@ -54,11 +54,7 @@ from tempo.train.flags import (
     add_token_budget_flags,
     add_training_flags,
     check_max_tokens,
-    finite_number,
-    non_negative_number,
     planned_max_tokens,
-    positive_number,
-    proportion,
     tempo_choice_from_args,
     token_budget_from_args,
 )
@@ -82,7 +78,18 @@ from tempo.train.runtime import (
     wrap_ddp,
 )
 from tempo.train.step import StepClock, TrainStep, default_excluded_steps
-from tempo.utils import atomic_path, atomic_write
+from tempo.utils import (
+    atomic_path,
+    atomic_write,
+    finite_number,
+    int_in,
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+    positive_int_or_unset,
+    positive_number,
+    proportion,
+)
 
 PROG = "run_squad.py"
 
@@ -98,26 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab_file", type=str, default=None, help="vocab.txt (default: next to the checkpoint)")
     p.add_argument("--train_file", type=str, default=None, help="SQuAD JSON for training")
     p.add_argument("--predict_file", type=str, default=None, help="SQuAD JSON to predict (and score, if it has answers)")
-    p.add_argument("--max_seq_length", type=int, default=384)
-    p.add_argument("--doc_stride", type=int, default=128)
-    p.add_argument("--max_query_length", type=int, default=64)
+    p.add_argument("--max_seq_length", type=positive_int, default=384)
+    p.add_argument("--doc_stride", type=positive_int, default=128)
+    p.add_argument("--max_query_length", type=positive_int, default=64)
     p.add_argument("--do_train", action="store_true")
     p.add_argument("--do_predict", action="store_true")
     p.add_argument("--do_eval", action="store_true", help="score predictions (implied when the predict file has answers)")
     p.add_argument("--eval_script", type=str, default=None, help="accepted for DLE compatibility; scoring is built in")
-    p.add_argument("--train_batch_size", type=int, default=32, help="sequences per GPU per optimizer step")
-    p.add_argument("--predict_batch_size", type=int, default=8)
+    p.add_argument("--train_batch_size", type=positive_int, default=32, help="sequences per GPU per optimizer step")
+    p.add_argument("--predict_batch_size", type=positive_int, default=8)
     p.add_argument("--learning_rate", type=positive_number, default=5e-5)
     p.add_argument("--num_train_epochs", type=non_negative_number, default=3.0)
-    p.add_argument("--max_steps", type=int, default=-1, help="optimizer steps; > 0 overrides --num_train_epochs")
+    p.add_argument("--max_steps", type=positive_int_or_unset, default=-1,
+                   help="optimizer steps; overrides --num_train_epochs (-1 = not set)")
     p.add_argument("--warmup_proportion", type=proportion, default=0.1)
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
+    p.add_argument("--seed", type=non_negative_int, default=42)
     p.add_argument("--fp16", "--amp", dest="fp16", action="store_true", help="fp16 autocast + GradScaler")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in fp32 runs (Ampere+)")
-    p.add_argument("--n_best_size", type=int, default=20)
-    p.add_argument("--max_answer_length", type=int, default=30)
+    p.add_argument("--n_best_size", type=positive_int, default=20)
+    p.add_argument("--max_answer_length", type=positive_int, default=30)
     p.add_argument("--do_lower_case", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--version_2_with_negative", action="store_true", help="SQuAD v2.0: questions may have no answer")
     p.add_argument("--null_score_diff_threshold", type=finite_number, default=0.0)
@@ -129,12 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip_checkpoint", action="store_true", help="do not save the fine-tuned model")
     p.add_argument("--skip_cache", action="store_true", help="neither read nor write the feature cache")
     p.add_argument("--cache_dir", type=str, default=None, help="feature cache folder (default: next to the data)")
-    p.add_argument("--log_freq", type=int, default=50, help="log every N steps")
+    p.add_argument("--log_freq", type=positive_int, default=50, help="log every N steps")
     p.add_argument("--disable-progress-bar", "--disable_progress_bar", dest="disable_progress_bar", action="store_true")
     p.add_argument("--checkpoint_activations", action="store_true", help="recompute each layer in backward")
-    p.add_argument("--local_rank", type=int, default=-1, help="set by torch.distributed.launch; torchrun uses env")
+    p.add_argument("--local_rank", type=int_in(-1), default=-1,
+                   help="set by torch.distributed.launch; torchrun uses env")
     p.add_argument("--no_cuda", action="store_true", help="run on the CPU even when a GPU is present")
-    p.add_argument("--num_workers", type=int, default=2, help="data-loader worker processes")
+    p.add_argument("--num_workers", type=non_negative_int, default=2, help="data-loader worker processes")
     add_training_flags(p, nonfinite_flag=True)
     add_tempo_flags(p)
     add_token_budget_flags(p)
@@ -191,10 +200,6 @@ def resolve_args(args: argparse.Namespace) -> None:
     if args.do_lower_case is None:
         name = args.bert_model.lower()
         args.do_lower_case = not (name.endswith("-cased") or "-cased-" in name)
-    for name in ("train_batch_size", "predict_batch_size", "gradient_accumulation_steps", "max_seq_length",
-                 "doc_stride", "max_query_length", "n_best_size", "max_answer_length", "log_freq"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
     if args.max_tokens is None and args.train_batch_size % args.gradient_accumulation_steps:
         raise UsageError(f"--train_batch_size {args.train_batch_size} is not divisible by "
                          f"--gradient_accumulation_steps {args.gradient_accumulation_steps}")

@@ -14,16 +14,14 @@ DLE checkout.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
-from typing import Callable
 
 from tempo.bert.data.token_budget import POLICIES, TokenBudget, TokenBudgetError
 from tempo.choices import ATTENTIONS, PAPER_KINDS, LAYER_KINDS, ChoiceError, TempoChoice
 from tempo.train.runtime import UsageError
 
-from tempo.utils import atomic_write_text
+from tempo.utils import atomic_write_text, non_negative_number, positive_int, positive_size
 
 STATES = ("tempo", "original")
 
@@ -81,38 +79,6 @@ def add_tempo_flags(parser: argparse.ArgumentParser, default_enabled: bool | Non
                             + (" (default: on)" if unpad_default else " (default: off)"))
 
 
-# -- numeric flags: argparse ``type=`` functions, so NaN, inf and out-of-range values are refused
-# when the command line is parsed (argparse prints "argument --x: ..." and exits with status 2).
-def number_in(low: float | None = None, high: float | None = None, *, low_open: bool = False,
-              high_open: bool = False) -> Callable[[str], float]:
-    """A ``type=`` for a finite float in [low, high] (``low_open``/``high_open``: that end excluded)."""
-    bounds = []
-    if low is not None:
-        bounds.append(f"{'>' if low_open else '>='} {low:g}")
-    if high is not None:
-        bounds.append(f"{'<' if high_open else '<='} {high:g}")
-    want = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
-        if not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low)) or (
-                high is not None and (value >= high if high_open else value > high)):
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
-        return value
-
-    parse.__name__ = "number"  # argparse names the type in its fallback message
-    return parse
-
-
-finite_number = number_in()
-positive_number = number_in(0.0, low_open=True)  # learning rates, log frequencies
-non_negative_number = number_in(0.0)  # weight decay, clipping norm, epochs
-proportion = number_in(0.0, 1.0, high_open=True)  # warm-up proportions: [0, 1)
-_max_grad_norm = non_negative_number
-
 ON_NONFINITE = ("stop", "skip")
 
 
@@ -122,7 +88,7 @@ def add_training_flags(parser: argparse.ArgumentParser, dashes: bool = False, no
     ``nonfinite_flag``: add ``--on_nonfinite {stop,skip}`` (the trainers; the benchmark keeps the
     step's default, stop)."""
     name = "--max-grad-norm" if dashes else "--max_grad_norm"
-    parser.add_argument(name, dest="max_grad_norm", type=_max_grad_norm, default=1.0,
+    parser.add_argument(name, dest="max_grad_norm", type=non_negative_number, default=1.0,
                         help="clip gradients to this global L2 norm (after fp16 unscaling; 0 = no clipping; "
                              "LAMB applies it inside its step)")
     if nonfinite_flag:
@@ -145,17 +111,6 @@ def max_tokens_flag(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be a positive number of tokens or 'auto', got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a positive integer, else a one-line error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def add_token_budget_flags(parser: argparse.ArgumentParser) -> None:
     """--max_tokens and its options, the same for run_pretraining.py and run_squad.py."""
     group = parser.add_argument_group("token-budget batches")
@@ -170,7 +125,7 @@ def add_token_budget_flags(parser: argparse.ArgumentParser) -> None:
                             "--unpad only)")
     group.add_argument("--max_sequences_per_batch", type=positive_int, default=None,
                        help="with --max_tokens: at most this many sequences per micro-batch")
-    group.add_argument("--memory_budget", default=None,
+    group.add_argument("--memory_budget", type=positive_size, default=None,
                        help="with --max_tokens auto: the memory a step's tensors may use, e.g. 24GiB (default: "
                             "90%% of the GPU's; needed on the CPU)")
     group.add_argument("--pad_to_multiple_of", type=positive_int, default=8,
