@@ -71,6 +71,7 @@ from tempo.train.runtime import (
     run_main,
     seed_everything,
     setup_runtime,
+    sum_over_ranks,
     teardown_runtime,
     wrap_ddp,
 )
@@ -284,11 +285,7 @@ def weigh_micro_batches(micro_batches: list[dict[str, torch.Tensor]], rt: Runtim
 
     masked = [int((b["masked_lm_labels"] >= 0).sum()) for b in micro_batches]  # host tensors: no sync
     sequences = [len(b["next_sentence_labels"]) for b in micro_batches]
-    totals = [sum(masked), sum(sequences)]
-    if rt.distributed:
-        summed = torch.tensor(totals, dtype=torch.float64, device=rt.device)
-        torch.distributed.all_reduce(summed)
-        totals = summed.tolist()
+    totals = sum_over_ranks([sum(masked), sum(sequences)], rt)
     k = len(micro_batches)
     mlm = loss_weights(masked, totals[0], k, rt.world_size)
     nsp = loss_weights(sequences, totals[1], k, rt.world_size)

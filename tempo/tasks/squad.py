@@ -73,6 +73,7 @@ from tempo.train.runtime import (
     run_main,
     seed_everything,
     setup_runtime,
+    sum_over_ranks,
     synchronize,
     teardown_runtime,
     wrap_ddp,
@@ -298,11 +299,7 @@ def weigh_micro_batches(micro_batches: list[list[torch.Tensor]], rt: Runtime) ->
     from tempo.bert.data.token_budget import loss_weights
 
     sequences = [len(b[0]) for b in micro_batches]
-    total = float(sum(sequences))
-    if rt.distributed:
-        summed = torch.tensor([total], dtype=torch.float64, device=rt.device)
-        torch.distributed.all_reduce(summed)
-        total = summed.item()
+    (total,) = sum_over_ranks([sum(sequences)], rt)
     weights = loss_weights(sequences, total, len(micro_batches), rt.world_size)
     return [(*b, torch.tensor(w, dtype=torch.float32)) for b, w in zip(micro_batches, weights)]
 

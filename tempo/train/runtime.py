@@ -375,6 +375,16 @@ def mean_over_ranks(value: torch.Tensor, rt: Runtime) -> float:
     return value.item()
 
 
+def sum_over_ranks(counts: list[float], rt: Runtime) -> list[float]:
+    """Counts summed over all ranks (one all-reduce in fp64, exact for counts below 2^53); the
+    counts themselves on one process."""
+    if not rt.distributed:
+        return [float(c) for c in counts]
+    summed = torch.tensor(counts, dtype=torch.float64, device=rt.device)
+    dist.all_reduce(summed)
+    return summed.tolist()
+
+
 # -- will the model fit? ---------------------------------------------------------------------
 # Bytes per parameter while training: fp32 weight + fp32 gradient + two fp32 optimizer moments
 # (LAMB and AdamW both keep m and v). Activations come on top and depend on the batch; this is
