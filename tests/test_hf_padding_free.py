@@ -338,11 +338,13 @@ def test_the_efficient_mask_drops_only_a_mask_that_packs():
     seq = torch.tensor([[0, 0, 1, 1, 1]])
     pos = torch.tensor([[0, 1, 0, 1, 2]])
     packs = mu.packed_sequence_mask_function(seq)
+    # 5.25 evaluates the base on positions within each sequence; 5.17-5.24 on the row's indices.
+    remap = getattr(mu, "remap_positions_for_packed_sequence", lambda fn, positions: fn)
     for base in (mu.bidirectional_mask_function, mu.causal_mask_function):
-        assert _only_packing(mu.and_masks(mu.remap_positions_for_packed_sequence(base, pos), packs))
+        assert _only_packing(mu.and_masks(remap(base, pos), packs))
         assert not _only_packing(base)  # nothing packs: sdpa's own skip decides
     window = mu.sliding_window_causal_mask_function(2)
-    assert not _only_packing(mu.and_masks(mu.remap_positions_for_packed_sequence(window, pos), packs))
+    assert not _only_packing(mu.and_masks(remap(window, pos), packs))
     assert not _only_packing(mu.and_masks(mu.bidirectional_mask_function, packs, mu.padding_mask_function(seq > 0)))
     assert not _only_packing(mu.and_masks(mu.bidirectional_mask_function, packs, lambda b, h, q, kv: q >= kv))
 

@@ -50,6 +50,20 @@ def batch():
     return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
 
+def cache_argument(model):
+    """What the model's forward calls its cache: ``cache`` from transformers 5.25,
+    ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def cache_seen(arguments):
+    """The cache a block's forward got, under whichever name its version gives it."""
+    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
+        if name in arguments:
+            return arguments[name]
+    return None
+
+
 def step(model, **extra):
     """One training forward+backward: (loss, {name: grad})."""
     model.train().zero_grad(set_to_none=True)
@@ -212,9 +226,9 @@ def test_full_recompute_runs_the_block_without_the_callers_cache(family, calls):
     apply_recompute(model, ["full"] * 2)
     seen = calls(BLOCK[family])
     cache = transformers.DynamicCache(config=model.config)
-    got_loss, got = step(model, use_cache=True, cache=cache)
+    got_loss, got = step(model, use_cache=True, **{cache_argument(model): cache})
     assert len(seen) == 4  # forward and recomputation of both blocks
-    assert [(a.get("cache"), a.get("use_cache")) for a in seen] == [(None, False)] * 4
+    assert [(cache_seen(a), a.get("use_cache")) for a in seen] == [(None, False)] * 4
     assert cache.get_seq_length() == 0  # passed through, it would hold 12 positions (24 after backward)
     assert torch.equal(got_loss, want_loss)
     for name in want:
@@ -227,6 +241,6 @@ def test_without_full_recompute_the_block_gets_the_cache(family, calls):
     model = llama() if family == "llama" else gpt2()
     seen = calls(BLOCK[family])
     cache = transformers.DynamicCache(config=model.config)
-    step(model, use_cache=True, cache=cache)
-    assert [(a.get("cache"), a.get("use_cache")) for a in seen] == [(cache, True)] * 2
+    step(model, use_cache=True, **{cache_argument(model): cache})
+    assert [(cache_seen(a), a.get("use_cache")) for a in seen] == [(cache, True)] * 2
     assert cache.get_seq_length() == 12
