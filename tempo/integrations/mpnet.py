@@ -28,10 +28,17 @@ original's before it is installed; the stock attention, for calls asking for the
 adds it with the same broadcast). ``revert_tempo`` removes it (``remove_shared_position_bias``).
 
 The padding mask: MPNet builds eager's additive mask, [B, 1, S, S] of 0 / finfo.min per key, the
-same row for every query. The attention takes its [B, 1, 1, S] row (read once per mask tensor: one
-host read per forward; a mask whose rows differ, a 4-D mask a caller built, is passed whole and so
-kept for backward, logged once). Under autocast the op casts it as sdpa would (finfo.min → −inf):
-identical probabilities except for a sample with no real token at all (stock: uniform; here: 0).
+same row for every query. The attention takes its [B, 1, 1, S] row, made once per model call and
+shared by the layers. The call hooks (``install_call_hooks``, put on every ``MPNetModel`` holding
+Tempo's attention) note, outside any read, whether the call's ``attention_mask`` is absent or
+[B, S]: then ``create_bidirectional_mask`` built the layers' mask, a key-padding mask whose query
+rows are all the same, and the layers take its row with no host read, so torch.compile traces them
+whole. A mask the model did not build (a 4-D mask a caller passed, a layer called on its own) is
+checked in eager mode (one host read per mask tensor) and passed whole when its rows differ; under
+torch.compile nothing can be read inside the graph, so it is passed whole, unchecked: kept for
+backward, O(B·S²) bytes (both logged once; under torch.compile at the model call when there is one).
+Under autocast the op casts it as sdpa would (finfo.min → −inf): identical probabilities except
+for a sample with no real token at all (stock: uniform; here: 0).
 
 A call asking for the probabilities (``output_attentions=True``) runs the original forward on the
 same modules (logged once). ``apply_tempo`` checks the replacement against the original numerically
@@ -43,6 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 import weakref
 from typing import Any, Optional
 
@@ -124,8 +132,19 @@ class MPNetEfficientSelfAttention(nn.Module):
         return f"heads={self.num_attention_heads}, p={self.dropout.p}"
 
 
-# -- the padding mask: its [B, 1, 1, S] row, once per mask tensor (every layer gets the same one) ----
-_padding_cache: list = []  # [(weak reference to the mask, its version, the answer)]: the batch being run
+# -- the padding mask: its [B, 1, 1, S] row, once per model call (every layer gets the same one) ----
+_padding_cache: list = []  # [(weak reference to the mask, its version, the answer)]: a mask checked outside a call
+
+
+_PASSED_WHOLE = ("under torch.compile, a 4-D attention mask with a row per query that the MPNet model did not build "
+                 "from a [B, S] mask is passed whole, unchecked (kept for backward once per forward: O(B·S²) bytes)")
+
+
+@torch.compiler.disable
+def _log_outside_graph(message: str) -> None:
+    # torch.compile cannot trace a logger call (a graph break in the layer); it does not trace into this
+    # function, which runs as plain Python. The callers test _logged first, so it is called until logged only.
+    _log_once(message)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -139,13 +158,25 @@ def key_padding(mask: Optional[torch.Tensor], s: int) -> Optional[torch.Tensor]:
     """MPNet's additive [B, 1, S, S] mask as its [B, 1, 1, S] row when every query row is the same
     (a key-padding mask: what MPNet builds from a [B, S] attention_mask), else the mask as it is.
     Under autocast the row is cast here, once, as sdpa's autocast casts a float mask (the op would
-    cast it again in every layer: one copy kept per layer). One host read per mask tensor and
-    version; the same row tensor for every layer."""
+    cast it again in every layer: one copy kept per layer). The same row tensor for every layer.
+    Inside a call of an MPNet model that built the mask (see ``_Call``): no host read, the row made
+    by the first layer. Otherwise, in eager mode, one host read per mask tensor and version; under
+    torch.compile the mask as it is (nothing can be read inside the graph)."""
     if mask is None or mask.dim() != 4 or mask.shape[2] != s or mask.shape[2] == 1:
         return mask
     from tempo.ops.attention import autocast_like_sdpa
 
     target = autocast_like_sdpa(mask[:, :, :1, :1])[0].dtype  # the dtype sdpa's autocast gives it
+    call = current_call()
+    if call is not None and call.builds_mask:
+        if call.row is None or call.row[0] is not mask or call.row[1] != target:
+            # Its own storage: the [B, 1, S, S] mask is not kept alive by it.
+            call.row = (mask, target, mask[:, :, :1, :].to(target, copy=True))
+        return call.row[2]
+    if torch.compiler.is_compiling():
+        if call is None and _PASSED_WHOLE not in _logged:  # a layer run on its own (else the call hook logs)
+            _log_outside_graph(_PASSED_WHOLE)
+        return mask
     if _padding_cache:
         ref, state, answer = _padding_cache[0]
         if ref() is mask and state == (mask._version, target):
@@ -161,7 +192,103 @@ def key_padding(mask: Optional[torch.Tensor], s: int) -> Optional[torch.Tensor]:
     return answer
 
 
-# -- the position bias once per forward, not per batch element (the recipe's model hook) ------------
+# -- what one call of an MPNet model tells its layers: model-level hooks -----------------------------
+# Module-level functions (pickled by reference, shared by deep copies); revert finds them again by
+# identity: no handle, no closure, nothing that refers to one model instance is kept anywhere.
+class _Call:
+    """One call of an ``MPNetModel`` running in this thread."""
+
+    def __init__(self, owner: nn.Module, builds_mask: bool):
+        self.owner = owner
+        # Its attention_mask is absent or [B, S]: create_bidirectional_mask builds the layers' mask from it,
+        # a key-padding mask (every query row the same; a 4-D mask it would return as given).
+        self.builds_mask = builds_mask
+        self.row: Optional[tuple] = None  # (the layers' mask, the row's dtype, its row): made by the first layer
+
+
+_calls = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_calls, "stack", None)
+    if stack is None:
+        stack = _calls.stack = []
+    return stack
+
+
+def current_call() -> Optional[_Call]:
+    """The innermost MPNet model call running in this thread, or None."""
+    stack = getattr(_calls, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _call_argument(args: tuple, kwargs: dict, name: str, position: int) -> Any:
+    # MPNetModel.forward(input_ids, attention_mask, position_ids, inputs_embeds, ...)
+    return kwargs[name] if name in kwargs else (args[position] if len(args) > position else None)
+
+
+def _builds_mask(args: tuple, kwargs: dict) -> bool:
+    """The call's attention_mask is absent or [B, S] (the batch's shape), read from shapes only."""
+    mask = _call_argument(args, kwargs, "attention_mask", 1)
+    if mask is None:
+        return True
+    ids = _call_argument(args, kwargs, "input_ids", 0)
+    if ids is None:
+        ids = _call_argument(args, kwargs, "inputs_embeds", 3)
+    return (isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2
+            and tuple(mask.shape) == tuple(ids.shape[:2]))
+
+
+def _call_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    builds_mask = _builds_mask(args, kwargs)
+    if not builds_mask and torch.compiler.is_compiling() and _PASSED_WHOLE not in _logged:
+        mask = _call_argument(args, kwargs, "attention_mask", 1)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[2] > 1:  # what key_padding passes whole
+            _log_outside_graph(_PASSED_WHOLE)  # here, at the model call: no break in the layers
+    _stack().append(_Call(module, builds_mask))  # popped by the post hook, always
+
+
+def _call_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    stack = _stack()
+    if stack and stack[-1].owner is module:  # not when another pre-hook raised before ours pushed
+        stack.pop()
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(hook is _call_pre_hook for hook in module._forward_pre_hooks.values())
+
+
+def _is_mpnet_model(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "MPNetModel" and cls.__module__.startswith(_MODULE)
+
+
+def install_call_hooks(model: nn.Module) -> None:
+    """The call hooks on every ``MPNetModel`` of the tree (the module that builds the mask) whose
+    layers hold Tempo's MPNet attention and that lacks them. Idempotent."""
+    for module in model.modules():
+        if (_is_mpnet_model(module) and not _hooked(module)
+                and any(isinstance(m, MPNetEfficientSelfAttention) for m in module.modules())):
+            module.register_forward_pre_hook(_call_pre_hook, with_kwargs=True)
+            module.register_forward_hook(_call_post_hook, with_kwargs=True, always_call=True)
+
+
+def remove_call_hooks(model: nn.Module) -> None:
+    """Take the call hooks out of every module of the tree: the entries whose function is this
+    module's hook (by identity; a user's hooks stay), as their RemovableHandle would."""
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if hook is _call_pre_hook:
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+        for key, hook in list(module._forward_hooks.items()):
+            if hook is _call_post_hook:
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+
+
+# -- the position bias once per forward, not per batch element (one of the recipe's model hooks) -----
 def shared_position_bias(encoder: nn.Module, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                          num_buckets: int = 32) -> torch.Tensor:
     """``MPNetEncoder.compute_position_bias`` without the copy per batch element: [1, heads, S, S]
@@ -246,6 +373,16 @@ def _restore(new: nn.Module, original: nn.Module) -> None:
         original._modules[name] = child
 
 
+def _install_model_hooks(model: nn.Module) -> None:
+    install_shared_position_bias(model)
+    install_call_hooks(model)
+
+
+def _remove_model_hooks(model: nn.Module) -> None:
+    remove_shared_position_bias(model)
+    remove_call_hooks(model)
+
+
 def mpnet_recipes() -> list[Recipe]:
     """MPNet's attention core, for attention="efficient" (the default)."""
     return [Recipe(kind="MPNet attention",
@@ -254,8 +391,9 @@ def mpnet_recipes() -> list[Recipe]:
                    option="attention", replacement=MPNetEfficientSelfAttention, recognise=is_mpnet_self_attention,
                    build=_build, check=matches_original, restore=_restore,
                    enabled=lambda options: options.attention == "efficient",
-                   model_hook=install_shared_position_bias, model_unhook=remove_shared_position_bias)]
+                   model_hook=_install_model_hooks, model_unhook=_remove_model_hooks)]
 
 
-__all__ = ["MPNetEfficientSelfAttention", "check_inputs", "install_shared_position_bias", "is_mpnet_self_attention",
-           "key_padding", "matches_original", "mpnet_recipes", "remove_shared_position_bias", "shared_position_bias"]
+__all__ = ["MPNetEfficientSelfAttention", "check_inputs", "current_call", "install_call_hooks",
+           "install_shared_position_bias", "is_mpnet_self_attention", "key_padding", "matches_original",
+           "mpnet_recipes", "remove_call_hooks", "remove_shared_position_bias", "shared_position_bias"]
