@@ -287,12 +287,12 @@ def test_an_added_layers_attention_keeps_exact_o_s_bytes(dtype):
 def test_the_ledger_table_row_is_o_s_and_fake_counts_equal_real_ones(monkeypatch):
     """tempo.memory's MPNet row: bytes per added layer the same at every s after apply_tempo, below
     stock's; on fake tensors exactly the real ledger's (small width, so the real models build fast)."""
-    from tempo.bench import ledger_table as table
+    from tempo.memory import tables as table
+    from tempo.presets import FAMILIES
 
-    label, cls, fields = table.FAMILIES["mpnet-base"]
-    monkeypatch.setitem(table.FAMILIES, "mpnet-base", (label, cls, dict(fields, hidden_size=64,
-                                                                        num_attention_heads=4,
-                                                                        intermediate_size=128)))
+    label, cls, fields = FAMILIES["mpnet-base"]
+    monkeypatch.setitem(FAMILIES, "mpnet-base", (label, cls, dict(fields, hidden_size=64, num_attention_heads=4,
+                                                                  intermediate_size=128)))
     fake = table.family_rows(seq_lens=(16, 64), families=("mpnet-base",), fake=True)
     real = table.family_rows(seq_lens=(16, 64), families=("mpnet-base",), fake=False)
     assert fake == real
@@ -397,13 +397,16 @@ def test_peft_lora_on_q_and_v_trains_and_matches_stock_plus_lora():
         models.append(peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"],
                                                                  lora_dropout=0.0)))
     ids, mask = padded_batch(batch=3)
+    # A fixed projection of the output: a LayerNorm'd output's mean square is 1 whatever LoRA learns,
+    # so a loss of that kind could not show that training moved anything.
+    weights = torch.randn(stock.config.hidden_size, generator=torch.Generator().manual_seed(1))
     traces = []
     for model in models:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         trace = []
         for _ in range(3):
             optimizer.zero_grad()
-            loss = model(input_ids=ids, attention_mask=mask).last_hidden_state.pow(2).mean()
+            loss = (model(input_ids=ids, attention_mask=mask).last_hidden_state * weights).mean()
             loss.backward()
             optimizer.step()
             trace.append(float(loss))

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from tempo.integrations import model_calls
 from tempo.integrations.recipe import Built, Options, Recipe, Skip, has_meta_weights, same_output, sample
 from tempo.ops.combined import combined_softmax_dropout_matmul
 from tempo.ops.disentangled_attention import (disentangled_attention, disentangled_attention_varlen,
@@ -343,20 +343,13 @@ class _Call:
         self.memo: dict = {}  # eager checks of the mask and positions, shared by the layers of this call
 
 
-_calls = threading.local()
-
-
-def _stack() -> list:
-    stack = getattr(_calls, "stack", None)
-    if stack is None:
-        stack = _calls.stack = []
-    return stack
+_CALLS = model_calls.CallStack()
+_POSITIONS = {"input_ids": 0, "attention_mask": 1, "inputs_embeds": 4}  # DebertaV2Model.forward's
 
 
 def current_call() -> Optional[_Call]:
     """The innermost DeBERTa model call running in this thread, or None."""
-    stack = getattr(_calls, "stack", None)
-    return stack[-1] if stack else None
+    return _CALLS.current()
 
 
 def current_packing() -> Optional[tuple[torch.Tensor, int]]:
@@ -368,11 +361,6 @@ def current_packing() -> Optional[tuple[torch.Tensor, int]]:
     return cu_seqlens, carrier.shape[0]
 
 
-def _call_argument(args: tuple, kwargs: dict, name: str, position: int) -> Any:
-    # DeBERTa-v2 models' forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, ...)
-    return kwargs[name] if name in kwargs else (args[position] if len(args) > position else None)
-
-
 @torch.compiler.disable
 def _packing_from_call(args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """The packing a padding-free batch's call carries (cu_seq_lens_q, or position_ids restarting),
@@ -381,12 +369,12 @@ def _packing_from_call(args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor
     boundaries on the host, so torch.compile runs it outside the graph (one break, before the layers)."""
     from tempo.integrations.hf_attention import packing_of_call
 
-    ids = _call_argument(args, kwargs, "input_ids", 0)
+    ids = model_calls.argument(args, kwargs, "input_ids", 0)
     if ids is None:
-        ids = _call_argument(args, kwargs, "inputs_embeds", 4)
+        ids = model_calls.argument(args, kwargs, "inputs_embeds", 4)
     if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
         return None
-    position_ids = _call_argument(args, kwargs, "position_ids", 3)
+    position_ids = model_calls.argument(args, kwargs, "position_ids", 3)
     packing = packing_of_call(ids.shape[0], ids.shape[1], kwargs, position_ids, ids.device)
     return None if packing is None else (packing[0], _length_carrier(packing[1], packing[0]))
 
@@ -398,24 +386,12 @@ def _length_carrier(length: int, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((length, 0))
 
 
-def _encoder_builds_inputs(args: tuple, kwargs: dict) -> bool:
-    """The call's attention_mask is absent or [B, S] (the batch's shape): the encoder then gives every
-    layer the pair mask m_i·m_j and the standard relative positions (DebertaV2Encoder)."""
-    mask = _call_argument(args, kwargs, "attention_mask", 1)
-    if mask is None:
-        return True
-    ids = _call_argument(args, kwargs, "input_ids", 0)
-    if ids is None:
-        ids = _call_argument(args, kwargs, "inputs_embeds", 4)
-    return (isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2
-            and tuple(mask.shape) == tuple(ids.shape[:2]))
-
-
 def _call_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    stack = _stack()
-    outer = stack[-1] if stack else None
+    outer = _CALLS.current()
     packing = outer.packing if outer is not None else _packing_from_call(args, kwargs)
-    stack.append(_Call(module, packing, _encoder_builds_inputs(args, kwargs)))  # popped by the post hook, always
+    # The call's mask is absent or [B, S]: the encoder gives every layer the pair mask m_i·m_j and
+    # the standard relative positions (DebertaV2Encoder). Popped by the post hook, always.
+    _CALLS.push(_Call(module, packing, model_calls.mask_per_token(args, kwargs, _POSITIONS)))
     if packing is None or outer is not None:
         return  # not packed, or an inner model of the same call (the outermost call's packing holds)
     if any(getattr(m, "conv", None) is not None for m in module.modules() if type(m).__name__ == "DebertaV2Encoder"):
@@ -428,20 +404,14 @@ def _call_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise ValueError(f"{type(module).__name__}: padding-free batches (packed sequences) cannot run with gradient "
                          f"checkpointing (the layers recomputed in backward run outside the call that carries "
                          f"the packing); pad the batch, or call gradient_checkpointing_disable()")
-    mask = _call_argument(args, kwargs, "attention_mask", 1)
+    mask = model_calls.argument(args, kwargs, "attention_mask", 1)
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):  # one host read; the packing took one already
         raise ValueError("DeBERTa (Tempo): a padding-free batch (packed sequences) with padding in its "
                          "attention_mask; pass one or the other")
 
 
 def _call_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    stack = _stack()
-    if stack and stack[-1].owner is module:  # not when another pre-hook raised before ours pushed
-        stack.pop()
-
-
-def _hooked(module: nn.Module) -> bool:
-    return any(hook is _call_pre_hook for hook in module._forward_pre_hooks.values())
+    _CALLS.pop(module)
 
 
 def _is_deberta_model(module: nn.Module) -> bool:
@@ -457,24 +427,14 @@ def install_call_hooks(model: nn.Module) -> None:
     model with the convolution layer (some DeBERTa-v2 configs) is refused: it mixes neighbouring
     tokens across sequences."""
     for module in model.modules():
-        if _is_deberta_model(module) and not _hooked(module):
-            module.register_forward_pre_hook(_call_pre_hook, with_kwargs=True)
-            module.register_forward_hook(_call_post_hook, with_kwargs=True, always_call=True)
+        if _is_deberta_model(module):
+            model_calls.install(module, _call_pre_hook, _call_post_hook)
 
 
 def remove_call_hooks(model: nn.Module) -> None:
     """Take the call hooks out of every module of the tree: the entries whose function is this
     module's hook (by identity; a user's hooks stay), as their RemovableHandle would."""
-    for module in model.modules():
-        for key, hook in list(module._forward_pre_hooks.items()):
-            if hook is _call_pre_hook:
-                del module._forward_pre_hooks[key]
-                module._forward_pre_hooks_with_kwargs.pop(key, None)
-        for key, hook in list(module._forward_hooks.items()):
-            if hook is _call_post_hook:
-                del module._forward_hooks[key]
-                module._forward_hooks_with_kwargs.pop(key, None)
-                module._forward_hooks_always_called.pop(key, None)
+    model_calls.remove(model.modules(), _call_pre_hook, _call_post_hook)
 
 
 def check_inputs(original: nn.Module, seq_len: int = 5) -> tuple:

@@ -76,13 +76,13 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-import threading
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
+from tempo.integrations import model_calls
 from tempo.ops.attention import expand_kv_heads
 from tempo.ops.combined import combined_softmax_dropout_matmul
 
@@ -681,19 +681,11 @@ class _Call:
         self.packing = packing
 
 
-_calls = threading.local()
-
-
-def _stack() -> list:
-    stack = getattr(_calls, "stack", None)
-    if stack is None:
-        stack = _calls.stack = []
-    return stack
+_CALLS = model_calls.CallStack()
 
 
 def _current_call() -> Optional[_Call]:
-    stack = getattr(_calls, "stack", None)
-    return stack[-1] if stack else None
+    return _CALLS.current()
 
 
 def _empty_of_size(like: Tensor, *sizes: int) -> Tensor:
@@ -737,8 +729,7 @@ def _packing_from_call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
 
 
 def _call_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    stack = _stack()
-    outer = stack[-1] if stack else None
+    outer = _CALLS.current()
     position_ids, cu = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
     if outer is not None and (position_ids is None or position_ids is outer.sources[0]) and (
             cu is None or cu is outer.sources[1]):
@@ -747,17 +738,15 @@ def _call_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         sources, packing = (None, None), None  # nothing that could pack (input_ids is the only positional one)
     else:
         sources, packing = (position_ids, cu), _packing_from_call(module, args, kwargs)
-    stack.append(_Call(module, sources, packing))  # popped by the post hook, always
+    _CALLS.push(_Call(module, sources, packing))  # popped by the post hook, always
 
 
 def _call_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    stack = _stack()
-    if stack and stack[-1].owner is module:  # not when another pre-hook raised before ours pushed
-        stack.pop()
+    _CALLS.pop(module)
 
 
 def _hooked(module: nn.Module) -> bool:
-    return any(hook is _call_pre_hook for hook in module._forward_pre_hooks.values())
+    return model_calls.hooked(module, _call_pre_hook)
 
 
 def install_call_hooks(model: nn.Module) -> list[nn.Module]:
@@ -772,9 +761,7 @@ def install_call_hooks(model: nn.Module) -> list[nn.Module]:
     for module in model.modules():
         config = module.__dict__.get("config")
         if (isinstance(module, PreTrainedModel) and getattr(config, "_attn_implementation", None)
-                in TEMPO_IMPLEMENTATIONS and not _hooked(module)):
-            module.register_forward_pre_hook(_call_pre_hook, with_kwargs=True)
-            module.register_forward_hook(_call_post_hook, with_kwargs=True, always_call=True)
+                in TEMPO_IMPLEMENTATIONS and model_calls.install(module, _call_pre_hook, _call_post_hook)):
             hooked.append(module)
     return hooked
 
@@ -782,16 +769,7 @@ def install_call_hooks(model: nn.Module) -> list[nn.Module]:
 def remove_call_hooks(modules) -> None:
     """Take the call hooks out of ``modules``: the entries whose function is this module's hook
     (by identity; a user's hooks stay), as their RemovableHandle would."""
-    for module in modules:
-        for key, hook in list(module._forward_pre_hooks.items()):
-            if hook is _call_pre_hook:
-                del module._forward_pre_hooks[key]
-                module._forward_pre_hooks_with_kwargs.pop(key, None)
-        for key, hook in list(module._forward_hooks.items()):
-            if hook is _call_post_hook:
-                del module._forward_hooks[key]
-                module._forward_hooks_with_kwargs.pop(key, None)
-                module._forward_hooks_always_called.pop(key, None)
+    model_calls.remove(modules, _call_pre_hook, _call_post_hook)
 
 
 def _layer_packing(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> Optional[tuple[Tensor, int, Optional[int]]]:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import threading
 import weakref
 from typing import Any, Optional
 
@@ -58,6 +57,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from tempo.integrations import model_calls
 from tempo.integrations.recipe import Options, Recipe, has_meta_weights, same_output, sample
 
 logger = logging.getLogger("tempo.integrations.mpnet")
@@ -206,56 +206,26 @@ class _Call:
         self.row: Optional[tuple] = None  # (the layers' mask, the row's dtype, its row): made by the first layer
 
 
-_calls = threading.local()
-
-
-def _stack() -> list:
-    stack = getattr(_calls, "stack", None)
-    if stack is None:
-        stack = _calls.stack = []
-    return stack
+_CALLS = model_calls.CallStack()
+_POSITIONS = {"input_ids": 0, "attention_mask": 1, "inputs_embeds": 3}  # MPNetModel.forward's
 
 
 def current_call() -> Optional[_Call]:
     """The innermost MPNet model call running in this thread, or None."""
-    stack = getattr(_calls, "stack", None)
-    return stack[-1] if stack else None
-
-
-def _call_argument(args: tuple, kwargs: dict, name: str, position: int) -> Any:
-    # MPNetModel.forward(input_ids, attention_mask, position_ids, inputs_embeds, ...)
-    return kwargs[name] if name in kwargs else (args[position] if len(args) > position else None)
-
-
-def _builds_mask(args: tuple, kwargs: dict) -> bool:
-    """The call's attention_mask is absent or [B, S] (the batch's shape), read from shapes only."""
-    mask = _call_argument(args, kwargs, "attention_mask", 1)
-    if mask is None:
-        return True
-    ids = _call_argument(args, kwargs, "input_ids", 0)
-    if ids is None:
-        ids = _call_argument(args, kwargs, "inputs_embeds", 3)
-    return (isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2
-            and tuple(mask.shape) == tuple(ids.shape[:2]))
+    return _CALLS.current()
 
 
 def _call_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    builds_mask = _builds_mask(args, kwargs)
+    builds_mask = model_calls.mask_per_token(args, kwargs, _POSITIONS)
     if not builds_mask and torch.compiler.is_compiling() and _PASSED_WHOLE not in _logged:
-        mask = _call_argument(args, kwargs, "attention_mask", 1)
+        mask = model_calls.argument(args, kwargs, "attention_mask", 1)
         if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[2] > 1:  # what key_padding passes whole
             _log_outside_graph(_PASSED_WHOLE)  # here, at the model call: no break in the layers
-    _stack().append(_Call(module, builds_mask))  # popped by the post hook, always
+    _CALLS.push(_Call(module, builds_mask))  # popped by the post hook, always
 
 
 def _call_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    stack = _stack()
-    if stack and stack[-1].owner is module:  # not when another pre-hook raised before ours pushed
-        stack.pop()
-
-
-def _hooked(module: nn.Module) -> bool:
-    return any(hook is _call_pre_hook for hook in module._forward_pre_hooks.values())
+    _CALLS.pop(module)
 
 
 def _is_mpnet_model(module: nn.Module) -> bool:
@@ -267,25 +237,14 @@ def install_call_hooks(model: nn.Module) -> None:
     """The call hooks on every ``MPNetModel`` of the tree (the module that builds the mask) whose
     layers hold Tempo's MPNet attention and that lacks them. Idempotent."""
     for module in model.modules():
-        if (_is_mpnet_model(module) and not _hooked(module)
-                and any(isinstance(m, MPNetEfficientSelfAttention) for m in module.modules())):
-            module.register_forward_pre_hook(_call_pre_hook, with_kwargs=True)
-            module.register_forward_hook(_call_post_hook, with_kwargs=True, always_call=True)
+        if _is_mpnet_model(module) and any(isinstance(m, MPNetEfficientSelfAttention) for m in module.modules()):
+            model_calls.install(module, _call_pre_hook, _call_post_hook)
 
 
 def remove_call_hooks(model: nn.Module) -> None:
     """Take the call hooks out of every module of the tree: the entries whose function is this
     module's hook (by identity; a user's hooks stay), as their RemovableHandle would."""
-    for module in model.modules():
-        for key, hook in list(module._forward_pre_hooks.items()):
-            if hook is _call_pre_hook:
-                del module._forward_pre_hooks[key]
-                module._forward_pre_hooks_with_kwargs.pop(key, None)
-        for key, hook in list(module._forward_hooks.items()):
-            if hook is _call_post_hook:
-                del module._forward_hooks[key]
-                module._forward_hooks_with_kwargs.pop(key, None)
-                module._forward_hooks_always_called.pop(key, None)
+    model_calls.remove(model.modules(), _call_pre_hook, _call_post_hook)
 
 
 # -- the position bias once per forward, not per batch element (one of the recipe's model hooks) -----
