@@ -5,7 +5,8 @@
 # step, stock sdpa vs apply_tempo, beside the ledger's prediction), one-layer speed (eager and
 # torch.compile) beside tempo.movement's projections, and the largest batch at s = 512; results and
 # summary.md in results/<gpu>/<time>/. A thin wrapper around `python -m tempo.bench gpu-suite`
-# (see its --help and tempo/bench/gpu_quick.py); arguments pass through, e.g.
+# (see its --help: tempo/bench/gpu_suite.py runs both plans, gpu_quick.py holds the quick plan's
+# stage bodies); arguments pass through, e.g.
 #   scripts/gpu_check.sh                      # the quick plan
 #   scripts/gpu_check.sh --dry-run            # its stages, limits and deadlines (any machine)
 #   scripts/gpu_check.sh --tarball "$OUT/gpu_quick.tar.gz"   # also one file to carry back (+ summary.md)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -27,20 +28,17 @@ PLAN = ["env", "correctness-layers", "correctness-attention", "memory", "speed",
 # The plan: order, limits, deadline, dry run
 # ------------------------------------------------------------------------------------------------
 def test_quick_plan_fits_seven_minutes():
-    """The stage limits add up to at most 7 minutes, no stage starts after 6.5, and the suite's
-    copy of the budget is gpu_quick's."""
-    stages = gpu_quick.quick_stages(Path("/tmp/x"))
-    assert [s.name for s in stages] == PLAN == list(gpu_quick.QUICK_STAGES)
-    assert sum(s.timeout_s for s in stages) <= gpu_quick.QUICK_BUDGET_S == 7 * 60
-    assert gpu_quick.QUICK_DEADLINE_S == 6.5 * 60
-    assert (gpu_suite.QUICK_BUDGET_S, gpu_suite.QUICK_DEADLINE_S) == (gpu_quick.QUICK_BUDGET_S,
-                                                                      gpu_quick.QUICK_DEADLINE_S)
-    assert gpu_suite.QUICK_CHECKS_FAILED_EXIT == gpu_quick.CHECKS_FAILED_EXIT
+    """The stage limits add up to at most 7 minutes, no stage starts after 6.5, and every stage of
+    the plan has a body in gpu_quick, in the plan's order."""
+    stages = gpu_suite.quick_stages(Path("/tmp/x"))
+    assert [s.name for s in stages] == PLAN == list(gpu_quick.STAGE_FUNCTIONS)
+    assert sum(s.timeout_s for s in stages) <= gpu_suite.QUICK_BUDGET_S == 7 * 60
+    assert gpu_suite.QUICK_DEADLINE_S == 6.5 * 60
     # the last stage to start does so by the deadline and is stopped there; stopping it and the
     # summary leave room before 7 minutes
-    assert gpu_quick.QUICK_DEADLINE_S + gpu_suite.STOP_GRACE_S + 15 <= gpu_quick.QUICK_BUDGET_S
+    assert gpu_suite.QUICK_DEADLINE_S + gpu_suite.STOP_GRACE_S + 15 <= gpu_suite.QUICK_BUDGET_S
     # max-batch fits its searches in what it is given
-    assert gpu_quick.MAXBATCH_BUDGET_S + gpu_quick.MAXBATCH_START_S <= gpu_quick.QUICK_LIMITS_S["max-batch"]
+    assert gpu_quick.MAXBATCH_BUDGET_S + gpu_quick.MAXBATCH_START_S <= gpu_suite.QUICK_LIMITS_S["max-batch"]
     for stage in stages:
         assert stage.argv[1:4] == ["-m", "tempo.bench.gpu_quick", stage.name]
         assert stage.argv[stage.argv.index("--device") + 1] == "cuda" and "--tiny" not in stage.argv
@@ -61,7 +59,7 @@ def test_dry_run_prints_the_quick_plan_with_its_deadlines(capsys, tmp_path):
     assert str(out) in lines[0] and not out.exists()  # a dry run writes nothing
     assert [r[0] for r in rows] == PLAN
     limits = [float(r[1]) for r in rows]
-    assert limits == [float(gpu_quick.QUICK_LIMITS_S[name]) for name in PLAN]
+    assert limits == [float(gpu_suite.QUICK_LIMITS_S[name]) for name in PLAN]
     starts = [float(r[2]) for r in rows]  # each stage's latest start: the limits before it, added up
     assert starts == [min(sum(limits[:i]), 390.0) for i in range(len(rows))]
     for row in rows:
@@ -124,7 +122,7 @@ def _stand_ins(out):
         "memory": _py(_write_json_code("memory.json", memory) + "; sys.exit(5)", out),
     }
     stages = []
-    for stage in gpu_quick.quick_stages(out):
+    for stage in gpu_suite.quick_stages(out):
         argv = commands.get(stage.name, _py("print('fine')"))
         stages.append(gpu_suite.Stage(stage.name, argv, timeout_s=3 if stage.name == "correctness-attention" else 60,
                                       outputs=stage.outputs))
@@ -216,7 +214,7 @@ def test_a_quick_run_writes_its_folder_tarball_and_summary(tmp_path, monkeypatch
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA behaviour")
 def test_the_suite_learns_the_gpu_name_without_cuda_here():
     assert gpu_suite._gpu_name_without_a_context() is None  # no nvidia-smi, and the child finds no GPU
-    env = gpu_suite._quick_environment(None)
+    env = gpu_suite._runner_environment(None)
     assert env["torch"] == torch.__version__ and env["driver"] is None and "git_commit" in env
 
 
@@ -277,6 +275,43 @@ def test_a_check_over_its_tolerance_or_raising_is_recorded_and_the_stage_exits_5
     assert over_row["first_call_s"] == 1.5 and over_row["compile_s"] == 1.0
     assert raises_row["status"] == "error" and "keeps 0.5 of the entries" in raises_row["message"]
     assert "AssertionError" in raises_row["traceback"] and record["complete"] is True
+
+
+def test_a_check_over_its_tolerance_fails_its_stage_and_the_run(tmp_path, monkeypatch):
+    """Tripped end to end: the correctness stage's real command (its entry point swapped for one
+    whose only check reports dx over its tolerance) exits 5, the runner records the stage as failed,
+    the run exits 4, and summary.md names the stage, the check and the output over its tolerance."""
+    script = tmp_path / "over_tolerance.py"
+    script.write_text("import sys\n"
+                      "from tempo.bench import gpu_quick\n"
+                      "def over(ctx, dtype):\n"
+                      "    return [gpu_quick.Comparison('y', 1e-3, 3e-2), gpu_quick.Comparison('dx', 0.5, 3e-2)], 1.0, 0.5\n"
+                      "gpu_quick.LAYER_CHECKS.clear()\n"
+                      "gpu_quick.LAYER_CHECKS['gelu-exact'] = ('a GELU whose dx is off', over)\n"
+                      "sys.exit(gpu_quick.main(sys.argv[1:]))\n")
+    out = tmp_path / "run"
+
+    def plan(name, run_dir, label):
+        stage = next(s for s in gpu_suite.quick_stages(run_dir, device="cpu", tiny=True)
+                     if s.name == "correctness-layers")
+        assert stage.argv[1:3] == ["-m", "tempo.bench.gpu_quick"]
+        stage.argv[1:3] = [str(script)]
+        stage.timeout_s = 300
+        return [stage]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_suite, "_gpu_name_without_a_context", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(gpu_suite, "plan_stages", plan)
+    assert bench_main(["gpu-suite", "--out-dir", str(out)]) == 4
+    (stage,) = json.loads((out / "suite.json").read_text())["stages"]
+    assert (stage["name"], stage["status"], stage["returncode"]) == ("correctness-layers", "failed", 5)
+    (check,) = _record(out, "correctness-layers")["checks"]
+    assert check["status"] == "failed" and check["message"] == "over the tolerance: dx 5.00e-01 > 3e-02"
+    summary = (out / "summary.md").read_text()
+    assert "- stages: 0 of 1 ok" in summary
+    assert "**correctness-layers**: failed (exit 5: it ran, and a check failed or a measurement was refused" in summary
+    assert "| gelu-exact | bf16 | triton (interpreter) | **failed** | dx 5.0e-01 (3e-02) |" in summary
+    assert "- gelu-exact bf16: over the tolerance: dx 5.00e-01 > 3e-02" in summary
 
 
 def test_after_a_lost_cuda_context_the_remaining_checks_are_not_run(tmp_path, monkeypatch):
@@ -349,6 +384,39 @@ def test_search_doubles_then_bisects_to_the_resolution():
     assert not late.run(lambda batch: True) and late.probes == []
 
 
+def test_max_batch_shares_the_time_left_among_the_variants_still_to_run(tmp_path, monkeypatch):
+    """Variant i of n gets (the stage's time left) / (n - i) as it starts, on a fake clock with a
+    fake search: one that finishes early leaves its unused time to the ones after it (not 1/n of
+    the budget each), and the runner's TEMPO_STAGE_TIMEOUT_S less MAXBATCH_START_S caps the budget."""
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(gpu_quick, "time", types.SimpleNamespace(monotonic=lambda: clock["now"],
+                                                                 perf_counter=time.perf_counter))
+    monkeypatch.setattr(gpu_quick, "MODEL_VARIANTS", ("a", "b", "c"))
+    used = {"a": 6.0, "b": None, "c": 1.0}  # b uses all it is given
+    given = {}
+
+    def search(ctx, variant, seq, deadline, row):
+        given[variant] = deadline - clock["now"]
+        clock["now"] += given[variant] if used[variant] is None else used[variant]
+        row["largest_fitting"] = 8
+
+    monkeypatch.setattr(gpu_quick, "search_largest_batch", search)
+    monkeypatch.delenv("TEMPO_STAGE_TIMEOUT_S", raising=False)
+    ctx = _tiny_context(tmp_path, stage="max-batch")
+    ctx.budget_s = 90.0
+    assert gpu_quick.stage_max_batch(ctx) == 0
+    # a: 90 / 3 = 30, uses 6; b: (90 - 6) / 2 = 42, uses them all; c: the 42 left
+    assert given == {"a": 30.0, "b": 42.0, "c": 42.0}
+    record = json.loads(ctx.path.read_text())
+    assert [(r["variant"], r["status"]) for r in record["rows"]] == [("a", "ok"), ("b", "ok"), ("c", "ok")]
+    monkeypatch.setenv("TEMPO_STAGE_TIMEOUT_S", str(gpu_quick.MAXBATCH_START_S + 36))
+    ctx = _tiny_context(tmp_path, stage="max-batch")
+    ctx.budget_s = 90.0
+    assert gpu_quick.stage_max_batch(ctx) == 0
+    assert json.loads(ctx.path.read_text())["search"]["budget_s"] == 36.0
+    assert given == {"a": 12.0, "b": 15.0, "c": 15.0}  # 36 / 3; (36 - 6) / 2; what b left
+
+
 def test_projections_command_is_tempo_movement_for_the_speed_shapes(tmp_path):
     from tempo.movement.cli import build_parser
 
@@ -376,7 +444,7 @@ TINY_PROJECTIONS = {"records": [{"choice": "sdpa", "scope": "layer", "batch": 2,
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("quick")
-    stages = gpu_quick.quick_stages(out, sys.executable, device="cpu", tiny=True)
+    stages = gpu_suite.quick_stages(out, sys.executable, device="cpu", tiny=True)
     for stage in stages:
         stage.timeout_s = 900  # 2 shared CPU cores and Triton's interpreter: far from the GPU's limits
         if stage.name == "projections":

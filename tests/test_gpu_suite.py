@@ -69,7 +69,7 @@ def test_dry_run_selects_stages_by_prefix(capsys):
 def test_stage_limits_add_up_within_the_budget(capsys):
     """Every stage's limit counted: the default time limit is their sum, each part fits a 10-minute
     command, and the dry run prints the parts, the total and the time limit."""
-    stages = gpu_suite.build_stages(Path("/tmp/x"), "cpu")
+    stages = gpu_suite.full_stages(Path("/tmp/x"), "cpu")
     assert sum(s.timeout_s for s in stages) == gpu_suite.DEFAULT_TIME_LIMIT_S <= 25 * 60
     for part in gpu_suite.PARTS:
         assert 0 < sum(s.timeout_s for s in stages if s.part == part) <= gpu_suite.PART_LIMIT_S < 600, part
@@ -242,6 +242,24 @@ def test_time_limit_leaves_later_stages_not_run_and_a_summary(tmp_path, monkeypa
     assert "**never**: not-run (suite time limit (8 s) reached)" in summary
 
 
+def test_a_full_run_records_its_environment_without_a_cuda_context(tmp_path, monkeypatch):
+    """The full plan through main, as on a GPU (CUDA's presence and the GPU's name stood in, one
+    stand-in stage): env.json and the summary's header come from nvidia-smi and the versions, never
+    from a CUDA context in the runner's process (it would hold GPU memory while stages measure it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_suite, "_gpu_name_without_a_context", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the suite made a CUDA context"))
+    monkeypatch.setattr(gpu_suite, "plan_stages",
+                        lambda plan, out, label: [gpu_suite.Stage("ops", _py("print('ok')"), timeout_s=60, part=2)])
+    out = tmp_path / "run"
+    assert bench_main(["gpu-suite", "--full", "--out-dir", str(out)]) == 0
+    env = json.loads((out / "env.json").read_text())
+    assert (env["device_name"], env["gpu"], env["torch"]) == ("NVIDIA H100 80GB HBM3", "H100 SXM", torch.__version__)
+    suite = json.loads((out / "suite.json").read_text())
+    assert suite["plan"] == "full" and [(s["name"], s["status"]) for s in suite["stages"]] == [("ops", "ok")]
+    assert (out / "summary.md").read_text().startswith("# Tempo GPU suite: NVIDIA H100 80GB HBM3")
+
+
 def test_summary_reads_the_raw_data_and_sets_it_beside_the_anchors(tmp_path):
     def train(speed, mfu, peak):
         return {"samples_per_s": speed, "mfu": mfu, "memory": {"peak_allocated_bytes": peak}}
@@ -287,7 +305,7 @@ def test_maxbatch_stage_finds_the_batch_on_its_grid(tmp_path):
                     'if [ "$last" -le 600 ]; then exit 0; fi\n'
                     'echo "python -m tempo.bench train: out of memory: CUDA out of memory (stand-in)"; exit 3\n')
     fake.chmod(0o755)
-    stage = next(s for s in gpu_suite.build_stages(tmp_path, "cpu", probe_python=str(fake))
+    stage = next(s for s in gpu_suite.full_stages(tmp_path, "cpu", probe_python=str(fake))
                  if s.name == "maxbatch-s128-original")
     result = gpu_suite.run_stage(stage, tmp_path, timeout_s=120, cwd=REPO)
     assert result.status == "ok", result.log_tail

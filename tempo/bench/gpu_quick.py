@@ -1,38 +1,12 @@
-"""The quick GPU check: what a freshly lent GPU must answer first, in under 7 minutes.
+"""The quick GPU check's stage bodies: each stage of ``scripts/gpu_check.sh``'s quick plan, run as one process.
 
-``scripts/gpu_check.sh`` (``python -m tempo.bench gpu-suite``, tempo/bench/gpu_suite.py) runs these
-stages in this order, each a fresh process with its own time limit (``QUICK_LIMITS_S``), and stops
-starting stages at ``QUICK_DEADLINE_S`` (6.5 minutes); summary.md is written after every stage:
-
-  env                    GPU, driver, CUDA, cuDNN, torch / triton / transformers versions, git commit
-  correctness-layers     each Tempo layer's forward and backward against an fp64 reference at one
-                         BERT-large shape (rows = 8 x 512, h = 1024, I = 4096) in bf16 and fp16:
-                         In-place GELU (exact and tanh), In-place LayerNorm with kept columns (γ near
-                         0, |β| = 10), dropout→add→LayerNorm (with its dropout mask), Combined (with
-                         its mask), the GeGLU linear; the first call's seconds (Triton's JIT) of each
-  correctness-attention  the efficient attention padded (bool key-padding mask) and variable-length
-                         (packed sequences), without dropout and with dropout 0.1, whose mask is read
-                         back by replaying the same RNG state with one-hot values (CUDA's fused
-                         kernels cannot hand it out) and then checked in forward and backward; DeBERTa's
-                         disentangled attention padded and variable-length with dropout
-  memory                 torch.cuda.max_memory_allocated of a training step of transformers'
-                         BertForPreTraining (BERT-large, s = 512, b = 32, bf16 autocast, dropout 0.1,
-                         fused AdamW), stock sdpa and apply_tempo(model), beside the activation ledger
-                         (real tensors) and its fake-tensor count with CUDA's semantics (no GPU needed)
-  speed                  one BERT-large layer fwd+bwd at (b 8, s 512) and (b 96, s 128): transformers'
-                         sdpa layer and apply_tempo; one DeBERTa-v3-large layer at (8, 512): eager and
-                         apply_tempo; CUDA events, median of 30 after warm-up, p20/p80
-  projections            ``python -m tempo.movement`` for the same layers: projected H100 times
-  speed-compiled         the two BERT-large layers of "speed" under torch.compile (dynamic=False)
-  max-batch              the largest BERT-large batch at s = 512, stock sdpa vs apply_tempo, searched
-                         in one process (double, then bisect to 8 sequences), bounded in time
-
-Every stage writes its raw JSON (``<stage>.json``) after each item, so a stage stopped at its limit
-keeps what it measured. Every stage also runs on the CPU at tiny shapes (``--device cpu --tiny``;
-the Triton kernels through Triton's interpreter, the speed in perf_counter time, torch.compile with
-the aot_eager backend, the largest batch against a simulated budget): tests/test_gpu_quick.py runs
-each stage's real code end to end on the CPU and checks its JSON. On CUDA the same code runs at the
-real shapes.
+tempo/bench/gpu_suite.py (the runner) holds the plan: which stages, in which order, with which time
+limits, and what each answers. Each stage here writes <stage>.json into the run directory after
+every item, so a stage stopped at its limit keeps what it measured. Every stage also runs on the CPU
+at tiny shapes (``--device cpu --tiny``: the Triton kernels through Triton's interpreter, the speed
+in perf_counter time, torch.compile with the aot_eager backend, the largest batch against a
+simulated budget): tests/test_gpu_quick.py runs each stage's real code end to end on the CPU and
+checks its JSON. On CUDA the same code runs at BERT-large's shapes.
 
     python -m tempo.bench.gpu_quick <stage> --out DIR [--device cuda|cpu] [--tiny]
 
@@ -44,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -56,37 +31,21 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 PROG = "python -m tempo.bench.gpu_quick"
 CHECKS_FAILED_EXIT = 5
-
-# ------------------------------------------------------------------------------------------------
-# The plan: stages, their limits in seconds, and the deadline
-# ------------------------------------------------------------------------------------------------
-# Estimated on an H100 (16 cores) from what each stage does; each limit is about 1.5-2x the
-# estimate. Python + torch start: ~5 s per process. Triton JIT: ~0.1-0.9 s per kernel
-# specialization, up to 2 s for the disentangled-attention kernels (python -m tempo.ops.compile_check
-# times every launch: 347 compiles in 225 s on 2 shared CPU cores); BERT-large built on the GPU: ~3 s;
-# torch.compile of one layer fwd+bwd: ~20-40 s cold, ~15 s for a second shape.
-QUICK_LIMITS_S = {
-    "env": 15,                    # estimate 8 s: imports, CUDA's start, nvidia-smi
-    "correctness-layers": 45,     # estimate 25 s: ~30 kernel specializations (0.1-0.9 s each), GELU's tables, fp64
-    "correctness-attention": 60,  # estimate 35 s: 16 disentangled-attention specializations (~1-2 s each), fp64
-    "memory": 60,                 # estimate 35 s: two BERT-large builds, 2 steps each, two fake counts (~1 s)
-    "speed": 40,                  # estimate 25 s: six layers, 36 calls each
-    "projections": 20,            # estimate 10 s: fake-tensor traces of the same layers
-    "speed-compiled": 100,        # estimate 90 s: four compiles (two layers x two shapes)
-    "max-batch": 80,              # estimate 60 s: two searches of ~7 probes, bounded at MAXBATCH_BUDGET_S
-}
-QUICK_STAGES = tuple(QUICK_LIMITS_S)
-QUICK_BUDGET_S = 420  # the whole quick plan: 7 minutes of wall time on one H100
-QUICK_DEADLINE_S = 390  # no stage starts after 6.5 minutes; a stage gets min(its limit, what is left)
 MAXBATCH_BUDGET_S = 65  # the max-batch searches stop probing after this (both variants together)
 MAXBATCH_START_S = 15  # of the stage's time: the process's start and imports, and the summary's margin
+# What a stage needs on the CPU to run its Triton kernels (Triton's interpreter, switched on before
+# triton is imported) and what the max-batch stage sets on CUDA (fewer failures from fragmentation
+# after a probe that ran out of memory).
+CPU_STAGE_ENV = {"TRITON_INTERPRET": "1"}
+MAXBATCH_CUDA_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+DEFAULT_SIMULATED_BUDGET = "1.5MiB"  # the tiny model on the CPU: static 0.85 MB, ~0.07 MB per sequence
 
 
 @dataclass(frozen=True)
@@ -192,34 +151,76 @@ def _context_lost(exc: BaseException) -> bool:
     return "CUDA error" in text or "AcceleratorError" in text or "device-side assert" in text
 
 
-class _TempoWarnings(logging.Handler):
-    """Collects what the logger "tempo" says while a check runs (a fallback to the reference path)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
 
 
 @contextlib.contextmanager
 def _tempo_warnings() -> Iterator[list[str]]:
-    handler = _TempoWarnings()
+    """Collects what the logger "tempo" warns while a check runs (a fallback to the reference path)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
     logger = logging.getLogger("tempo")
     logger.addHandler(handler)
     try:
-        yield handler.messages
+        yield messages
     finally:
         logger.removeHandler(handler)
+
+
+Item = tuple[str, dict[str, Any], Callable[[dict[str, Any]], None]]  # (label, the row's head, measure(row))
+
+
+def run_rows(ctx: Context, key: str, items: Sequence[Item]) -> int:
+    """The one loop of every stage that measures several things (checks, model variants, layer cases).
+
+    Per item ``(label, head, measure)``: the row ``{**head, "status": "running"}`` is appended to the
+    record's list ``key`` and written before ``measure(row)`` fills it, so a stage stopped at its
+    limit keeps every row so far. When ``measure`` returns, the row's status is "ok" unless it set
+    another ("failed": a check over its tolerance); when it raises, "oom" (out of memory) or
+    "error" with the message and the traceback's tail, and the next item runs. After a CUDA error
+    that leaves the context unusable every later item is "not-run" (each would fail the same way).
+    Returns 0 when every row is "ok", else CHECKS_FAILED_EXIT; the record is then marked complete."""
+    failed, lost = 0, None
+    for label, head, measure in items:
+        row: dict[str, Any] = {**head, "status": "running"}
+        ctx.add(key, row)
+        if lost is not None:
+            row.update(status="not-run", message=f"the CUDA context was lost at {lost}")
+        else:
+            start = time.perf_counter()
+            try:
+                measure(row)
+                if row["status"] == "running":
+                    row["status"] = "ok"
+            except Exception as exc:  # noqa: BLE001 - an item that raises is that item's result
+                row.update(status="oom" if _is_oom(exc) else "error", message=_error_line(exc),
+                           traceback="".join(traceback.format_exception(exc)[-6:]))
+                if ctx.cuda and _context_lost(exc):
+                    lost = label
+            row["seconds"] = round(time.perf_counter() - start, 3)
+        failed += row["status"] != "ok"
+        ctx.write()
+        print(f"{label}: " + json.dumps({k: v for k, v in row.items() if k != "traceback"
+                                         and not isinstance(v, (dict, list))}, default=str), flush=True)
+        gc.collect()  # the item's model and tensors went with measure's frame
+        if ctx.cuda and lost is None:  # a lost context fails every CUDA call, this one too
+            torch.cuda.empty_cache()
+    ctx.record["complete"] = True
+    ctx.write()
+    return 0 if failed == 0 else CHECKS_FAILED_EXIT
 
 
 # ------------------------------------------------------------------------------------------------
 # Stage 1: environment
 # ------------------------------------------------------------------------------------------------
-def _nvidia_smi() -> dict[str, Any]:
-    fields = ("name", "driver_version", "memory.total", "clocks.max.sm", "clocks.max.memory", "power.limit",
-              "pstate", "temperature.gpu")
+def nvidia_smi(fields: Sequence[str]) -> dict[str, Any]:
+    """nvidia-smi's values of ``fields`` (query names) for the first GPU, as strings; {"error": why}
+    where it cannot answer. Needs no CUDA context (the runner's process must hold none)."""
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=15)
@@ -256,7 +257,8 @@ def stage_env(ctx: Context) -> int:
         props = torch.cuda.get_device_properties(ctx.device)
         info["sm_count"] = props.multi_processor_count
         info["cudnn"] = torch.backends.cudnn.version()
-        info["nvidia_smi"] = _nvidia_smi()
+        info["nvidia_smi"] = nvidia_smi(("name", "driver_version", "memory.total", "clocks.max.sm",
+                                         "clocks.max.memory", "power.limit", "pstate", "temperature.gpu"))
         info["sdpa_enabled"] = {"flash": torch.backends.cuda.flash_sdp_enabled(),
                                 "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                                 "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
@@ -297,9 +299,32 @@ def compare(what: str, actual: torch.Tensor, expected: torch.Tensor, tolerance: 
     return Comparison(what, rel_err(actual, expected, floor), tolerance)
 
 
-def twice(device: torch.device, run: Callable[[], Any]) -> tuple[Any, float, float]:
-    """``run()`` twice, synchronized: (the second call's result, first call's seconds, second's).
-    The first call of a kernel specialization includes Triton's JIT compile (or its disk cache)."""
+def compare_all(names: Sequence[str], actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+                tolerance: float, floor: float = 0.0) -> list[Comparison]:
+    return [compare(w, a, r, tolerance, floor) for w, a, r in zip(names, actual, expected)]
+
+
+def twice(device: torch.device, call: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
+          grad: torch.Tensor, params: Sequence[torch.Tensor] = (), before: Optional[Callable[[], None]] = None
+          ) -> tuple[list[torch.Tensor], float, float]:
+    """``call`` forward and backward under the Triton backend twice, synchronized: (the second
+    pass's [output, the gradient of each of ``inputs``, then of each of ``params``], the first
+    pass's seconds, the second's). Each pass calls ``call`` on fresh leaf copies of ``inputs`` and
+    takes the ``params``' gradients (resetting them). ``before()`` runs ahead of each pass (the RNG
+    state a dropout attention draws from). The first call of a kernel specialization includes
+    Triton's JIT compile (or its disk cache)."""
+    def run() -> list[torch.Tensor]:
+        if before is not None:
+            before()
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with _triton():
+            out = call(*leaves)
+            out.backward(grad)
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return [out.detach(), *(t.grad for t in leaves), *grads]
+
     synchronize(device)
     t0 = time.perf_counter()
     run()
@@ -325,15 +350,9 @@ def check_gelu(ctx: Context, dtype: torch.dtype, approximate: str) -> tuple[list
 
     s = ctx.sizes
     x = _randn(ctx, s.batch * s.seq, s.ffn, scale=3.0).to(dtype)
-
-    def run():
-        leaf = x.clone().requires_grad_()
-        with _triton():
-            y = inplace_gelu(leaf * 1, approximate)  # an intermediate, as in a model
-            y.backward(torch.ones_like(y))  # dy = 1: dx is GELU'(x) itself
-        return y.detach(), leaf.grad
-
-    (y, dx), first, second = twice(ctx.device, run)
+    # x * 1: an intermediate, as in a model; dy = 1: dx is GELU'(x) itself
+    (y, dx), first, second = twice(ctx.device, lambda leaf: inplace_gelu(leaf * 1, approximate), (x,),
+                                   torch.ones_like(x))
     x64 = x.double().requires_grad_()
     ref = F.gelu(x64, approximate=approximate)
     ref.backward(torch.ones_like(ref))
@@ -378,58 +397,35 @@ def check_layernorm(ctx: Context, dtype: torch.dtype) -> tuple[list[Comparison],
     with torch.no_grad():
         module.weight.copy_(weight)
         module.bias.copy_(bias)
-    with torch.no_grad():
         kept = plan_kept_columns(module.weight, module.bias, dtype, s.hidden, ctx.device, "quick check")
     if kept.numel() < 4:
         raise AssertionError(f"the plan keeps {kept.numel()} columns; γ in {{0, 1e-30, -1e-6, 1e-3}} against "
                              f"|β| = 10 must be kept")
     x = _randn(ctx, s.batch * s.seq, s.hidden, scale=2.0, shift=0.5).to(dtype)
     g = _randn(ctx, s.batch * s.seq, s.hidden).to(dtype)
-
-    def run():
-        module.zero_grad(set_to_none=True)
-        leaf = x.clone().requires_grad_()
-        with _triton():
-            y = module(leaf * 1)
-            y.backward(g)
-        return y.detach(), leaf.grad, module.weight.grad.clone(), module.bias.grad.clone()
-
-    (y, dx, dw, db), first, second = twice(ctx.device, run)
+    got, first, second = twice(ctx.device, lambda leaf: module(leaf * 1), (x,), g, (module.weight, module.bias))
     ref_y, ref_dx, _, ref_dw, ref_db = _layernorm_reference(x, module.weight, module.bias, g)
-    tol = LN_TOL[dtype]
-    return [compare("y", y, ref_y, tol, 1.0), compare("dx", dx, ref_dx, tol, 1.0),
-            compare("dweight", dw, ref_dw, tol, 1.0), compare("dbias", db, ref_db, tol, 1.0)], first, second
+    return compare_all(("y", "dx", "dweight", "dbias"), got, (ref_y, ref_dx, ref_dw, ref_db), LN_TOL[dtype], 1.0), \
+        first, second
 
 
 def check_dropout_add_layernorm(ctx: Context, dtype: torch.dtype) -> tuple[list[Comparison], float, float]:
     from tempo.ops.dropout_add_layernorm import dropout_add_layernorm, dropout_add_layernorm_keep_mask
 
     s = ctx.sizes
-    weight, bias = adversarial_layernorm_parameters(ctx)
-    weight.requires_grad_()
-    bias.requires_grad_()
+    weight, bias = (t.requires_grad_() for t in adversarial_layernorm_parameters(ctx))
     x = _randn(ctx, s.batch * s.seq, s.hidden).to(dtype)
     residual = _randn(ctx, s.batch * s.seq, s.hidden, scale=2.0).to(dtype)
     g = _randn(ctx, s.batch * s.seq, s.hidden).to(dtype)
     seed = torch.tensor(4321, device=ctx.device)
-
-    def run():
-        weight.grad = bias.grad = None
-        xl, rl = x.clone().requires_grad_(), residual.clone().requires_grad_()
-        with _triton():
-            y = dropout_add_layernorm(xl * 1, rl * 1, (s.hidden,), weight, bias, 1e-12, DROPOUT_P, True, seed)
-            y.backward(g)
-        return y.detach(), xl.grad, rl.grad, weight.grad.clone(), bias.grad.clone()
-
-    (y, dx, dr, dw, db), first, second = twice(ctx.device, run)
+    got, first, second = twice(
+        ctx.device, lambda xl, rl: dropout_add_layernorm(xl * 1, rl * 1, (s.hidden,), weight, bias, 1e-12, DROPOUT_P,
+                                                         True, seed), (x, residual), g, (weight, bias))
     with _triton():
         keep = dropout_add_layernorm_keep_mask(seed, x.shape, DROPOUT_P, ctx.device, "triton")
     _check_keep_rate(ctx, keep.double().mean().item(), "dropout_add_layernorm")
-    ref_y, ref_dx, ref_dr, ref_dw, ref_db = _layernorm_reference(x, weight, bias, g, residual, keep.double(),
-                                                                 DROPOUT_P)
-    tol = LN_TOL[dtype]
-    return [compare(w, a, r, tol, 1.0) for w, a, r in (("y", y, ref_y), ("dx", dx, ref_dx), ("dresidual", dr, ref_dr),
-                                                       ("dweight", dw, ref_dw), ("dbias", db, ref_db))], first, second
+    ref = _layernorm_reference(x, weight, bias, g, residual, keep.double(), DROPOUT_P)
+    return compare_all(("y", "dx", "dresidual", "dweight", "dbias"), got, ref, LN_TOL[dtype], 1.0), first, second
 
 
 def _check_keep_rate(ctx: Context, rate: float, what: str) -> None:
@@ -447,24 +443,15 @@ def check_combined(ctx: Context, dtype: torch.dtype) -> tuple[list[Comparison], 
     v = _randn(ctx, s.batch, s.heads, s.seq, s.head_dim).to(dtype)
     g = _randn(ctx, s.batch, s.heads, s.seq, s.head_dim).to(dtype)
     seed = torch.tensor(1234, device=ctx.device)
-
-    def run():
-        sl, vl = scores.clone().requires_grad_(), v.clone().requires_grad_()
-        with _triton():
-            out = combined_softmax_dropout_matmul(sl, vl, -1, DROPOUT_P, True, seed)
-            out.backward(g)
-        return out.detach(), sl.grad, vl.grad
-
-    (out, ds, dv), first, second = twice(ctx.device, run)
+    got, first, second = twice(ctx.device, lambda sl, vl: combined_softmax_dropout_matmul(sl, vl, -1, DROPOUT_P, True,
+                                                                                          seed), (scores, v), g)
     with _triton():
         keep = dropout_keep_mask(seed, scores.shape, DROPOUT_P, ctx.device, "triton")
     _check_keep_rate(ctx, keep.double().mean().item(), "combined")
     s64, v64 = scores.double().requires_grad_(), v.double().requires_grad_()
     ref = torch.matmul(torch.softmax(s64, -1) * keep / (1 - DROPOUT_P), v64)
     ref.backward(g.double())
-    tol = TOL[dtype]
-    return [compare("out", out, ref, tol), compare("dscores", ds, s64.grad, tol), compare("dv", dv, v64.grad, tol)], \
-        first, second
+    return compare_all(("out", "dscores", "dv"), got, (ref, s64.grad, v64.grad), TOL[dtype]), first, second
 
 
 def check_gated_mlp(ctx: Context, dtype: torch.dtype) -> tuple[list[Comparison], float, float]:
@@ -479,24 +466,16 @@ def check_gated_mlp(ctx: Context, dtype: torch.dtype) -> tuple[list[Comparison],
     bias = (0.1 * _randn(ctx, s.hidden)).to(dtype)
     g = _randn(ctx, rows, s.hidden).to(dtype)
     seed = torch.tensor(2468, device=ctx.device)
-
-    def run():
-        hl, wl, bl = (t.clone().requires_grad_() for t in (h, weight, bias))
-        with _triton():
-            out = gated_linear_fused(hl, wl, bl, activation="gelu_tanh", gate_first=True, p=DROPOUT_P, seed=seed)
-            out.backward(g)
-        return out.detach(), hl.grad, wl.grad, bl.grad
-
-    (out, dh, dw, db), first, second = twice(ctx.device, run)
+    got, first, second = twice(ctx.device, lambda hl, wl, bl: gated_linear_fused(
+        hl, wl, bl, activation="gelu_tanh", gate_first=True, p=DROPOUT_P, seed=seed), (h, weight, bias), g)
     keep = gated_mlp_keep_mask(seed, rows, s.ffn, DROPOUT_P, ctx.device, "triton")
     _check_keep_rate(ctx, keep.double().mean().item(), "GeGLU linear")
     h64, w64, b64 = (t.double().requires_grad_() for t in (h, weight, bias))
     gate, up = h64.chunk(2, dim=-1)
     ref = F.linear(F.gelu(gate, approximate="tanh") * up * keep / (1 - DROPOUT_P), w64, b64)
     ref.backward(g.double())
-    tol = TOL[dtype]
-    return [compare("out", out, ref, tol), compare("dh", dh, h64.grad, tol), compare("dweight", dw, w64.grad, tol),
-            compare("dbias", db, b64.grad, tol)], first, second
+    return compare_all(("out", "dh", "dweight", "dbias"), got, (ref, h64.grad, w64.grad, b64.grad), TOL[dtype]), \
+        first, second
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -595,12 +574,12 @@ def check_efficient_attention_padded(ctx: Context, dtype: torch.dtype, dropout: 
     def call(qq, kk, vv):
         return efficient_attention(qq, kk, vv, attn_mask=mask, dropout_p=p)
 
-    (out, dq, dk, dv), first, second = _attention_twice(ctx, state, call, q, k, v, g)
+    got, first, second = twice(ctx.device, call, (q, k, v), g, before=lambda: _set_rng_state(state, ctx.device))
     checks = []
     keep = None
     if dropout:
         positions = torch.arange(s.seq, device=ctx.device).expand(s.batch, s.heads, s.seq)
-        replay, probs = replay_and_read_mask(ctx, state, call, q, k, v, out, positions, s.seq)
+        replay, probs = replay_and_read_mask(ctx, state, call, q, k, v, got[0], positions, s.seq)
         checks.append(replay)
         keep = probs != 0
         ref_probs = torch.softmax((q.double() @ k.double().transpose(-1, -2) / math.sqrt(s.head_dim))
@@ -608,23 +587,7 @@ def check_efficient_attention_padded(ctx: Context, dtype: torch.dtype, dropout: 
         readable = ref_probs > 1e-3 / s.seq  # entries whose probability cannot round to 0 in the output
         _check_keep_rate(ctx, keep[readable].double().mean().item(), "efficient attention (padded)")
     ref = _attention_fp64(q, k, v, g, keep_keys, keep.double() if keep is not None else None, p)
-    tol = TOL[dtype]
-    checks += [compare(w, a, r, tol) for w, a, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref)]
-    return checks, first, second
-
-
-def _attention_twice(ctx: Context, state: Any, call: Callable, q, k, v, g):
-    """``call(q, k, v)`` forward and backward with ``g`` from the RNG ``state``, twice (``twice``: the
-    first call compiles); ((out, dq, dk, dv), first seconds, second seconds)."""
-    def run():
-        _set_rng_state(state, ctx.device)
-        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-        with _triton():
-            out = call(ql, kl, vl)
-            out.backward(g)
-        return out.detach(), ql.grad, kl.grad, vl.grad
-
-    return twice(ctx.device, run)
+    return checks + compare_all(("out", "dq", "dk", "dv"), got, ref, TOL[dtype]), first, second
 
 
 def _packed(ctx: Context, dtype: torch.dtype):
@@ -656,12 +619,12 @@ def check_efficient_attention_varlen(ctx: Context, dtype: torch.dtype, dropout: 
     def call(qq, kk, vv):
         return efficient_attention_varlen(qq, kk, vv, cu, facts.max_seqlen, dropout_p=p, min_seqlen=facts.min_seqlen)
 
-    (out, dq, dk, dv), first, second = _attention_twice(ctx, state, call, q, k, v, g)
+    got, first, second = twice(ctx.device, call, (q, k, v), g, before=lambda: _set_rng_state(state, ctx.device))
     checks = []
     keeps: list[Optional[torch.Tensor]] = [None] * len(s.varlen)
     if dropout:
         positions = torch.cat([torch.arange(n, device=ctx.device) for n in s.varlen])[:, None].expand(-1, s.heads)
-        replay, probs = replay_and_read_mask(ctx, state, call, q, k, v, out, positions, max(s.varlen))
+        replay, probs = replay_and_read_mask(ctx, state, call, q, k, v, got[0], positions, max(s.varlen))
         checks.append(replay)
         readable = []
         for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
@@ -676,9 +639,7 @@ def check_efficient_attention_varlen(ctx: Context, dtype: torch.dtype, dropout: 
         keep = keeps[i].unsqueeze(0).double() if keeps[i] is not None else None
         ref_parts.append([t[0].transpose(0, 1) for t in _attention_fp64(*per_seq, keep=keep, p=p)])
     ref = [torch.cat([part[j] for part in ref_parts]) for j in range(4)]
-    tol = TOL[dtype]
-    checks += [compare(w, a, r, tol) for w, a, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref)]
-    return checks, first, second
+    return checks + compare_all(("out", "dq", "dk", "dv"), got, ref, TOL[dtype]), first, second
 
 
 def _disentangled_geometry(ctx: Context) -> dict[str, Any]:
@@ -735,20 +696,13 @@ def check_disentangled_padded(ctx: Context, dtype: torch.dtype) -> tuple[list[Co
     kp, qp = _position_tables(ctx, dtype)
     mask = _padding(ctx)
     seed = torch.tensor(77, device=ctx.device)
-
-    def run():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, kp, qp)]
-        with _triton():
-            out = disentangled_attention(*leaves, padding_mask=mask, dropout_p=DROPOUT_P, seed=seed,
-                                         **_disentangled_geometry(ctx))
-            out.backward(g)
-        return [out.detach()] + [t.grad for t in leaves]
-
-    got, first, second = twice(ctx.device, run)
+    got, first, second = twice(ctx.device, lambda *leaves: disentangled_attention(
+        *leaves, padding_mask=mask, dropout_p=DROPOUT_P, seed=seed, **_disentangled_geometry(ctx)),
+        (q, k, v, kp, qp), g)
     keep = disentangled_attention_keep_mask(seed, s.batch, s.heads, s.seq, DROPOUT_P, backend="triton")
     _check_keep_rate(ctx, keep.double().mean().item(), "disentangled attention")
     ref = _disentangled_fp64(ctx, q, k, v, kp, qp, g, mask, keep, DROPOUT_P)
-    return [compare(w, a, r, TOL[dtype]) for w, a, r in zip(DISENTANGLED_OUTPUTS, got, ref)], first, second
+    return compare_all(DISENTANGLED_OUTPUTS, got, ref, TOL[dtype]), first, second
 
 
 def check_disentangled_varlen(ctx: Context, dtype: torch.dtype) -> tuple[list[Comparison], float, float]:
@@ -758,17 +712,9 @@ def check_disentangled_varlen(ctx: Context, dtype: torch.dtype) -> tuple[list[Co
     q, k, v, g, cu, offsets = _packed(ctx, dtype)
     kp, qp = _position_tables(ctx, dtype)
     seed = torch.tensor(78, device=ctx.device)
-    longest = max(s.varlen)
-
-    def run():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, kp, qp)]
-        with _triton():
-            out = disentangled_attention_varlen(*leaves[:3], cu, longest, *leaves[3:], dropout_p=DROPOUT_P, seed=seed,
-                                                **_disentangled_geometry(ctx))
-            out.backward(g)
-        return [out.detach()] + [t.grad for t in leaves]
-
-    got, first, second = twice(ctx.device, run)
+    got, first, second = twice(ctx.device, lambda ql, kl, vl, kpl, qpl: disentangled_attention_varlen(
+        ql, kl, vl, cu, max(s.varlen), kpl, qpl, dropout_p=DROPOUT_P, seed=seed, **_disentangled_geometry(ctx)),
+        (q, k, v, kp, qp), g)
     keeps = disentangled_attention_keep_mask(seed, 0, s.heads, 0, DROPOUT_P, backend="triton", cu_seqlens=cu)
     _check_keep_rate(ctx, torch.cat([m.flatten() for m in keeps]).double().mean().item(), "disentangled (varlen)")
     outs, grads = [], [torch.zeros(t.shape, dtype=torch.float64, device=ctx.device) for t in (q, k, v, kp, qp)]
@@ -780,8 +726,7 @@ def check_disentangled_varlen(ctx: Context, dtype: torch.dtype) -> tuple[list[Co
             grads[j][a:b] = part[1 + j][0]
         grads[3] += part[4]
         grads[4] += part[5]
-    ref = [torch.cat(outs)] + grads
-    return [compare(w, a, r, TOL[dtype]) for w, a, r in zip(DISENTANGLED_OUTPUTS, got, ref)], first, second
+    return compare_all(DISENTANGLED_OUTPUTS, got, [torch.cat(outs)] + grads, TOL[dtype]), first, second
 
 
 # name -> (what it checks, function(ctx, dtype)); in the order they run
@@ -820,55 +765,36 @@ def _path_of(ctx: Context, name: str) -> str:
 
 
 def run_checks(ctx: Context, checks: dict[str, tuple[str, Callable]]) -> int:
-    """Every check in each of ``sizes.check_dtypes`` (bf16, fp16), each recorded (and written) as it
-    finishes; an exception is the check's "error" with its message. After a CUDA error that leaves
-    the context unusable the remaining checks are recorded as not run."""
+    """Every check in each of ``sizes.check_dtypes`` (bf16, fp16), one row of "checks" each
+    (``run_rows``: recorded as it finishes, an exception is the check's "error", after a lost CUDA
+    context the rest are "not-run"). A check with any output over its tolerance is "failed" and
+    names those outputs: the stage then exits CHECKS_FAILED_EXIT, which the runner records as the
+    stage's failure."""
     _warm_up(ctx.device)
     ctx.record.update({"sizes": ctx.sizes.as_record(), "device": str(ctx.device),
                        "tolerance_rule": "max |actual - fp64| / max |fp64| (LayerNorm: / max(1, max |fp64|))"})
     ctx.write()
-    failed = 0
-    lost: Optional[str] = None
-    for name, (what, fn) in checks.items():
-        for dtype in ctx.sizes.check_dtypes:
-            item: dict[str, Any] = {"name": name, "dtype": _dtype_name(dtype), "what": what,
-                                    "path": _path_of(ctx, name)}
-            if lost is not None:
-                item.update(status="not-run", message=f"the CUDA context was lost at {lost}")
-                failed += 1
-                ctx.add("checks", item)
-                continue
-            torch.manual_seed(0)
-            start = time.perf_counter()
-            with _tempo_warnings() as warnings:
-                try:
-                    comparisons, first, second = fn(ctx, dtype)
-                    bad = [c.what for c in comparisons if not c.ok]
-                    item.update(status="ok" if not bad else "failed",
-                                errors={c.what: c.error for c in comparisons},
-                                tolerances={c.what: c.tolerance for c in comparisons},
-                                first_call_s=round(first, 4), second_call_s=round(second, 4),
-                                compile_s=round(max(0.0, first - second), 4))
-                    if bad:
-                        item["message"] = "over the tolerance: " + ", ".join(
-                            f"{c.what} {c.error:.2e} > {c.tolerance:.0e}" for c in comparisons if not c.ok)
-                except Exception as exc:  # noqa: BLE001 - a check that raises is that check's result
-                    item.update(status="error", message=_error_line(exc),
-                                traceback="".join(traceback.format_exception(exc)[-6:]))
-                    if ctx.cuda and _context_lost(exc):
-                        lost = f"{name} ({_dtype_name(dtype)})"
+    return run_rows(ctx, "checks", [
+        (f"{name} ({_dtype_name(dtype)})",
+         {"name": name, "dtype": _dtype_name(dtype), "what": what, "path": _path_of(ctx, name)},
+         functools.partial(_run_check, ctx, fn, dtype))
+        for name, (what, fn) in checks.items() for dtype in ctx.sizes.check_dtypes])
+
+
+def _run_check(ctx: Context, fn: Callable, dtype: torch.dtype, row: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    with _tempo_warnings() as warnings:
+        try:
+            comparisons, first, second = fn(ctx, dtype)
+        finally:
             if warnings:
-                item["tempo_warnings"] = warnings
-            item["seconds"] = round(time.perf_counter() - start, 3)
-            failed += item["status"] != "ok"
-            ctx.add("checks", item)
-            print(f"{name:30s} {item['dtype']}  {item['status']:7s} {item.get('message', '')}", flush=True)
-            gc.collect()
-            if ctx.cuda and lost is None:  # a lost context fails every CUDA call, this one too
-                torch.cuda.empty_cache()
-    ctx.record["complete"] = True
-    ctx.write()
-    return 0 if failed == 0 else CHECKS_FAILED_EXIT
+                row["tempo_warnings"] = warnings
+    row.update(errors={c.what: c.error for c in comparisons}, tolerances={c.what: c.tolerance for c in comparisons},
+               first_call_s=round(first, 4), second_call_s=round(second, 4),
+               compile_s=round(max(0.0, first - second), 4))
+    bad = [f"{c.what} {c.error:.2e} > {c.tolerance:.0e}" for c in comparisons if not c.ok]
+    if bad:
+        row.update(status="failed", message="over the tolerance: " + ", ".join(bad))
 
 
 def _warm_up(device: torch.device) -> None:
@@ -879,14 +805,6 @@ def _warm_up(device: torch.device) -> None:
     if device.type == "cuda":
         torch.randn(256, 256, device=device, dtype=torch.bfloat16).matmul(
             torch.randn(256, 256, device=device, dtype=torch.bfloat16)).sum().item()
-
-
-def stage_correctness_layers(ctx: Context) -> int:
-    return run_checks(ctx, LAYER_CHECKS)
-
-
-def stage_correctness_attention(ctx: Context) -> int:
-    return run_checks(ctx, ATTENTION_CHECKS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -905,19 +823,24 @@ def bert_config(ctx: Context):
         attention_probs_dropout_prob=DROPOUT_P, attn_implementation="sdpa")
 
 
-def build_bert(ctx: Context, variant: str) -> torch.nn.Module:
-    """BertForPreTraining built on the device (no CPU copy), in training mode; "tempo": after
-    apply_tempo(model), its default (every Tempo layer, the efficient attention)."""
-    import transformers
-
+def _built(ctx: Context, make: Callable[[], torch.nn.Module], tempo: bool) -> torch.nn.Module:
+    """``make()`` built on the device (no CPU copy) from seed 0, in training mode; with ``tempo``,
+    after apply_tempo(module), its default (every Tempo layer, the efficient attention)."""
     from tempo.integrations.patch import apply_tempo
 
     torch.manual_seed(0)
     with torch.device(ctx.device):
-        model = transformers.BertForPreTraining(bert_config(ctx))
-    if variant == "tempo":
-        apply_tempo(model)
-    return model.train()
+        module = make()
+    if tempo:
+        apply_tempo(module)
+    return module.train()
+
+
+def build_bert(ctx: Context, variant: str) -> torch.nn.Module:
+    """BertForPreTraining (``_built``), stock or "tempo"."""
+    import transformers
+
+    return _built(ctx, lambda: transformers.BertForPreTraining(bert_config(ctx)), variant == "tempo")
 
 
 def pretraining_batch(ctx: Context, batch: int, seq: int, device: Optional[torch.device] = None) -> dict:
@@ -995,8 +918,9 @@ def predicted_activation_bytes(ctx: Context, variant: str, batch: int, seq: int)
 # Stage 3: memory truth
 # ------------------------------------------------------------------------------------------------
 def stage_memory(ctx: Context) -> int:
-    """Per variant: a warm-up step (allocates AdamW's moments), then a step whose allocator peak is
-    measured (CUDA) and whose forward runs under the activation ledger, beside the predictions."""
+    """Per variant (a row each, ``run_rows``): a warm-up step (allocates AdamW's moments), then a step
+    whose allocator peak is measured (CUDA) and whose forward runs under the activation ledger,
+    beside the predictions."""
     batch, seq = ctx.sizes.memory_shape
     ctx.record.update({"model": "transformers BertForPreTraining", "config": json.loads(bert_config(ctx).to_json_string()),
                        "batch": batch, "seq_len": seq, "precision": "bf16 autocast", "optimizer": "AdamW(fused=True)",
@@ -1011,25 +935,9 @@ def stage_memory(ctx: Context) -> int:
                                                  "optimizer states, activations, transients, cuBLAS workspace "
                                                  "margin), counted on fake tensors"}})
     ctx.write()
-    status = 0
-    for variant in MODEL_VARIANTS:
-        row: dict[str, Any] = {"variant": variant}
-        start = time.perf_counter()
-        try:
-            measure_memory(ctx, variant, batch, seq, row)
-            row["status"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - recorded; the other variant still runs
-            row.update(status="error", message=_error_line(exc), traceback="".join(traceback.format_exception(exc)[-6:]))
-            status = CHECKS_FAILED_EXIT
-        row["seconds"] = round(time.perf_counter() - start, 2)
-        ctx.add("rows", row)
-        print(json.dumps(row, default=str), flush=True)
-        gc.collect()  # the variant's model and optimizer went with measure_memory's frame
-        if ctx.cuda:
-            torch.cuda.empty_cache()
-    ctx.record["complete"] = True
-    ctx.write()
-    return status
+    return run_rows(ctx, "rows", [(variant, {"variant": variant},
+                                   functools.partial(measure_memory, ctx, variant, batch, seq))
+                                  for variant in MODEL_VARIANTS])
 
 
 def measure_memory(ctx: Context, variant: str, batch: int, seq: int, row: dict[str, Any]) -> None:
@@ -1078,18 +986,11 @@ def hf_bert_layer(ctx: Context, tempo: bool) -> torch.nn.Module:
     import transformers
     from transformers.models.bert.modeling_bert import BertLayer
 
-    from tempo.integrations.patch import apply_tempo
-
     s = ctx.sizes
     config = transformers.BertConfig(hidden_size=s.hidden, num_attention_heads=s.heads, intermediate_size=s.ffn,
                                      hidden_dropout_prob=DROPOUT_P, attention_probs_dropout_prob=DROPOUT_P,
                                      attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(ctx.device):
-        layer = BertLayer(config)
-    if tempo:
-        apply_tempo(layer)
-    return layer.train()
+    return _built(ctx, lambda: BertLayer(config), tempo)
 
 
 def deberta_config(ctx: Context):
@@ -1109,14 +1010,7 @@ def deberta_layer(ctx: Context, tempo: bool) -> torch.nn.Module:
     """DebertaV2Encoder with one layer (the layer plus its relative-embedding LayerNorm)."""
     from transformers.models.deberta_v2.modeling_deberta_v2 import DebertaV2Encoder
 
-    from tempo.integrations.patch import apply_tempo
-
-    torch.manual_seed(0)
-    with torch.device(ctx.device):
-        encoder = DebertaV2Encoder(deberta_config(ctx))
-    if tempo:
-        apply_tempo(encoder)
-    return encoder.train()
+    return _built(ctx, lambda: DebertaV2Encoder(deberta_config(ctx)), tempo)
 
 
 @dataclass(frozen=True)
@@ -1170,7 +1064,8 @@ def _layer_call(ctx: Context, case: SpeedCase
     return call, in_dtype, module
 
 
-def time_case(ctx: Context, case: SpeedCase) -> dict[str, Any]:
+def time_case(ctx: Context, case: SpeedCase, row: dict[str, Any]) -> None:
+    """Fills ``row`` with the case's first call (compiles included) and its timed calls."""
     from tempo.bench.timing import spread, time_fn
 
     call, in_dtype, module = _layer_call(ctx, case)
@@ -1196,52 +1091,22 @@ def time_case(ctx: Context, case: SpeedCase) -> dict[str, Any]:
     first_call_s = time.perf_counter() - start
     times = time_fn(step, ctx.device, warmup=ctx.sizes.warmup, repeats=ctx.sizes.repeats, setup=fresh_input)
     ms = spread(times)
-    return {"model": case.model, "variant": case.label, "batch": case.batch, "seq_len": case.seq,
-            "compiled": case.compiled, "compile_backend": ("inductor" if ctx.cuda else "aot_eager") if case.compiled
-            else None, "projection_choice": case.projection, "first_call_s": round(first_call_s, 3),
-            "ms": {**ms, "min": min(times), "max": max(times)}, "raw_ms": times, "warmup": ctx.sizes.warmup,
-            "repeats": ctx.sizes.repeats, "timer": "CUDA events" if ctx.cuda else "perf_counter",
-            "tokens_per_s": case.batch * case.seq / (ms["p50"] / 1e3) if ms["p50"] > 0 else None}
+    row.update({"compile_backend": ("inductor" if ctx.cuda else "aot_eager") if case.compiled else None,
+                "projection_choice": case.projection, "first_call_s": round(first_call_s, 3),
+                "ms": {**ms, "min": min(times), "max": max(times)}, "raw_ms": times, "warmup": ctx.sizes.warmup,
+                "repeats": ctx.sizes.repeats, "timer": "CUDA events" if ctx.cuda else "perf_counter",
+                "tokens_per_s": case.batch * case.seq / (ms["p50"] / 1e3) if ms["p50"] > 0 else None})
 
 
 def run_speed(ctx: Context, compiled: bool) -> int:
+    """Every case of ``speed_cases``, a row each (``run_rows``)."""
     ctx.record.update({"what": "one layer, forward + backward, bf16 autocast, dropout 0.1, training mode, no padding",
                        "device": str(ctx.device), "sizes": ctx.sizes.as_record()})
     ctx.write()
-    status = 0
-    for case in speed_cases(ctx, compiled):
-        start = time.perf_counter()
-        try:
-            row = time_case(ctx, case)
-            row["status"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - recorded; the next case still runs
-            row = {"model": case.model, "variant": case.label, "batch": case.batch, "seq_len": case.seq,
-                   "compiled": case.compiled, "status": "oom" if _is_oom(exc) else "error",
-                   "message": _error_line(exc), "traceback": "".join(traceback.format_exception(exc)[-6:])}
-            status = CHECKS_FAILED_EXIT
-            if ctx.cuda and _context_lost(exc):
-                ctx.add("rows", row)
-                raise
-        row["seconds"] = round(time.perf_counter() - start, 2)
-        ctx.add("rows", row)
-        p50 = (row.get("ms") or {}).get("p50")
-        print(f"{case.model} {case.label:22s} b{case.batch} s{case.seq}: "
-              + (f"{p50:.3f} ms (first call {row['first_call_s']:.1f} s)" if p50 is not None else row["status"]),
-              flush=True)
-        gc.collect()
-        if ctx.cuda:
-            torch.cuda.empty_cache()
-    ctx.record["complete"] = True
-    ctx.write()
-    return status
-
-
-def stage_speed(ctx: Context) -> int:
-    return run_speed(ctx, compiled=False)
-
-
-def stage_speed_compiled(ctx: Context) -> int:
-    return run_speed(ctx, compiled=True)
+    return run_rows(ctx, "rows", [
+        (f"{c.model} {c.label} b{c.batch} s{c.seq}",
+         {"model": c.model, "variant": c.label, "batch": c.batch, "seq_len": c.seq, "compiled": c.compiled},
+         functools.partial(time_case, ctx, c)) for c in speed_cases(ctx, compiled)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1265,13 +1130,6 @@ def stage_projections(ctx: Context) -> int:
 # ------------------------------------------------------------------------------------------------
 # Stage 5: the largest batch at s = 512
 # ------------------------------------------------------------------------------------------------
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
-
-
 @dataclass
 class Search:
     """A largest-batch search: double from ``start`` until a probe fails (or ``cap``), then bisect
@@ -1320,10 +1178,15 @@ class Search:
 
 
 def stage_max_batch(ctx: Context) -> int:
-    """Per variant: build the model, one step at batch 1 (AdamW's moments), then the search; each
-    probe one training step. On CUDA a probe fits unless it runs out of memory (then its memory is
-    freed before the next); on the CPU against ``simulated_budget``: static bytes + the ledger's
-    activation bytes of the step."""
+    """Per variant (a row each, ``run_rows``): build the model, one step at batch 1 (AdamW's
+    moments), then the search; each probe one training step. On CUDA a probe fits unless it runs
+    out of memory (then its memory is freed before the next); on the CPU against
+    ``simulated_budget``: static bytes + the ledger's activation bytes of the step.
+
+    Time: the searches together get ``budget_s`` (default MAXBATCH_BUDGET_S), less where the runner
+    gives the stage less (TEMPO_STAGE_TIMEOUT_S − MAXBATCH_START_S). Variant i of n (from 0) gets,
+    as it starts, the stage's time left / (n − i): a variant that finishes early leaves its unused
+    time to the ones after it, and the last gets all that is left."""
     seq = ctx.sizes.maxbatch_seq
     start, resolution, cap = ctx.sizes.maxbatch
     budget_s = ctx.budget_s if ctx.budget_s is not None else MAXBATCH_BUDGET_S
@@ -1338,28 +1201,13 @@ def stage_max_batch(ctx: Context) -> int:
                        "memory": ("CUDA out of memory" if ctx.cuda else
                                   f"simulated budget of {ctx.simulated_budget} bytes (static + ledger activations)")})
     ctx.write()
-    status = 0
-    for index, variant in enumerate(MODEL_VARIANTS):
-        row: dict[str, Any] = {"variant": variant, "status": "running"}
-        ctx.add("rows", row)  # the row is written as the search goes (search_largest_batch)
-        t0 = time.perf_counter()
-        # the time left is shared by the variants still to run
-        deadline = time.monotonic() + (stage_deadline - time.monotonic()) / (len(MODEL_VARIANTS) - index)
-        try:
-            search_largest_batch(ctx, variant, seq, deadline, row)
-            row["status"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - recorded; the other variant still runs
-            row.update(status="error", message=_error_line(exc), traceback="".join(traceback.format_exception(exc)[-6:]))
-            status = CHECKS_FAILED_EXIT
-        row["seconds"] = round(time.perf_counter() - t0, 2)
-        ctx.write()
-        print(json.dumps({k: v for k, v in row.items() if k != "probes"}, default=str), flush=True)
-        gc.collect()
-        if ctx.cuda:
-            torch.cuda.empty_cache()
-    ctx.record["complete"] = True
-    ctx.write()
-    return status
+
+    def search(index: int, variant: str, row: dict[str, Any]) -> None:
+        now = time.monotonic()
+        search_largest_batch(ctx, variant, seq, now + (stage_deadline - now) / (len(MODEL_VARIANTS) - index), row)
+
+    return run_rows(ctx, "rows", [(variant, {"variant": variant}, functools.partial(search, index, variant))
+                                  for index, variant in enumerate(MODEL_VARIANTS)])
 
 
 def search_largest_batch(ctx: Context, variant: str, seq: int, deadline: float, row: dict[str, Any]) -> None:
@@ -1402,247 +1250,24 @@ def search_largest_batch(ctx: Context, variant: str, seq: int, deadline: float, 
 
 
 # ------------------------------------------------------------------------------------------------
-# The plan as the suite runs it, and the summary's sections (read from the stages' JSON)
+# Command line: one stage
 # ------------------------------------------------------------------------------------------------
-def quick_stages(out: Path, python: str = sys.executable, device: str = "cuda", tiny: bool = False) -> list:
-    """The quick plan's stages (tempo.bench.gpu_suite.Stage), each ``python -m tempo.bench.gpu_quick
-    <stage> --out <out>``. ``device="cpu", tiny=True``: the same commands at tiny shapes on the CPU
-    (what tests/test_gpu_quick.py runs)."""
-    from tempo.bench.gpu_suite import Stage
-
-    stages = []
-    for name, limit in QUICK_LIMITS_S.items():
-        argv = [python, "-m", "tempo.bench.gpu_quick", name, "--out", str(out), "--device", device]
-        if tiny:
-            argv.append("--tiny")
-        if name == "max-batch":
-            argv += ["--budget-s", str(MAXBATCH_BUDGET_S)]
-        env = dict(CPU_STAGE_ENV) if device == "cpu" else {}
-        if name == "max-batch" and device != "cpu":
-            env.update(MAXBATCH_CUDA_ENV)
-        stages.append(Stage(name, argv, timeout_s=limit, outputs=[f"{name}.json"], env=env))
-    return stages
-
-
-def _load(path: Path) -> Optional[dict[str, Any]]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _gib(n: Any) -> str:
-    return f"{n / 2**30:.1f}" if isinstance(n, (int, float)) else "-"
-
-
-def _status_word(result: Any) -> str:
-    return result.status if result is not None else "not run"
-
-
-def summary_sections(out: Path, results: dict[str, Any]) -> list[str]:
-    """The quick plan's part of summary.md: environment, correctness, memory, speed, largest batch.
-    ``results``: stage name -> its StageResult (what the suite recorded)."""
-    return (_env_section(out) + _correctness_section(out, results) + _memory_section(out, results)
-            + _speed_section(out, results) + _maxbatch_section(out, results))
-
-
-def _env_section(out: Path) -> list[str]:
-    env = (_load(out / "env.json") or {}).get("env")
-    if not env:
-        return ["## Environment", "", "No env.json (the env stage did not finish).", ""]
-    smi = env.get("nvidia_smi") or {}
-    versions = env.get("versions") or {}
-    return ["## Environment", "",
-            f"- {env.get('device_name')} ({env.get('gpu') or 'not in the peak table'}), compute capability "
-            f"{env.get('compute_capability')}, {env.get('sm_count')} SMs, {_gib(env.get('gpu_memory_bytes'))} GiB; "
-            f"driver {env.get('driver') or smi.get('driver_version')}, max SM clock {smi.get('clocks.max.sm')}, "
-            f"power limit {smi.get('power.limit')}",
-            f"- torch {env.get('torch')} (CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}), triton {env.get('triton')}, "
-            f"transformers {versions.get('transformers')}, numpy {versions.get('numpy')}, python {env.get('python')}",
-            f"- commit {env.get('git_commit')}" + (" (uncommitted changes)" if env.get("git_dirty") else ""), ""]
-
-
-def _sizes_of(record: dict[str, Any]) -> Sizes:
-    """The Sizes a stage's record was made at ("sizes": a name, or the whole record of them)."""
-    sizes = record.get("sizes")
-    name = sizes.get("name") if isinstance(sizes, dict) else sizes
-    return TINY if name == TINY.name else REAL
-
-
-def _planned_checks(sizes: Sizes) -> dict[str, list[tuple[str, str]]]:
-    return {stage: [(name, _dtype_name(d)) for name in checks for d in sizes.check_dtypes]
-            for stage, checks in (("correctness-layers", LAYER_CHECKS), ("correctness-attention", ATTENTION_CHECKS))}
-
-
-def _share_of_tolerance(error: Optional[float], tolerance: Optional[float]) -> float:
-    if error is None:
-        return math.inf
-    if not tolerance:
-        return math.inf if error > 0 else 0.0
-    return error / tolerance
-
-
-def _correctness_section(out: Path, results: dict[str, Any]) -> list[str]:
-    lines = ["## Correctness against fp64", "",
-             "Each op's forward and backward at one BERT-large shape, errors as max |actual − fp64| / max |fp64| "
-             "(LayerNorm: / max(1, max |fp64|)); \"worst\" is the output closest to its tolerance. First call: "
-             "Triton's JIT compile included; compile ≈ first − second call.", "",
-             "| check | dtype | path | status | worst output: error (tolerance) | first call s | compile s |",
-             "|---|---|---|---|---|---|---|"]
-    failures = []
-    records = {stage: _load(out / f"{stage}.json") or {} for stage in ("correctness-layers", "correctness-attention")}
-    sizes = next((_sizes_of(r) for r in records.values() if r.get("sizes")), REAL)
-    for stage, record in records.items():
-        seen = set()
-        for c in record.get("checks", []):
-            seen.add((c["name"], c["dtype"]))
-            errors, tols = c.get("errors") or {}, c.get("tolerances") or {}
-            worst = max(errors, key=lambda w: _share_of_tolerance(errors[w], tols.get(w)), default=None)
-            cell = "-"
-            if worst is not None:
-                error = errors[worst]  # null in the JSON: a non-finite output
-                cell = f"{worst} {error:.1e} ({tols.get(worst, 0):.0e})" if error is not None else f"{worst} non-finite"
-            first, compile_s = c.get("first_call_s"), c.get("compile_s")
-            lines.append(f"| {c['name']} | {c['dtype']} | {c.get('path', '')} | **{c['status']}** | {cell} | "
-                         f"{f'{first:.2f}' if first is not None else '-'} | "
-                         f"{f'{compile_s:.2f}' if compile_s is not None else '-'} |")
-            if c["status"] != "ok":
-                failures.append(f"- {c['name']} {c['dtype']}: {c.get('message', c['status'])}")
-        missing = [f"{n} {d}" for n, d in _planned_checks(sizes)[stage] if (n, d) not in seen]
-        if missing:
-            failures.append(f"- not reached ({stage}: {_status_word(results.get(stage))}): {', '.join(missing)}")
-    if failures:
-        lines += ["", "Not ok:", "", *failures]
-    return lines + [""]
-
-
-def _memory_section(out: Path, results: dict[str, Any]) -> list[str]:
-    from tempo.utils import format_bytes
-
-    record = _load(out / "memory.json")
-    if not record or not record.get("rows"):
-        return ["## Memory", "", f"No results (memory stage: {_status_word(results.get('memory'))}).", ""]
-    lines = [f"## Memory: one training step of {record.get('model')}, b = {record.get('batch')}, "
-             f"s = {record.get('seq_len')}, {record.get('precision')}, dropout {record.get('dropout')}, "
-             f"{record.get('optimizer')}", "",
-             "| model | measured peak (max_memory_allocated) | allocated before the step | activations: ledger "
-             "(real) | predicted: fake ledger | predicted peak: weights + grads + Adam + fake activations | "
-             "predicted peak: tempo.plan | measured − predicted |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in record["rows"]:
-        if r.get("status") != "ok":
-            lines.append(f"| {r['variant']} | {r.get('status')}: {r.get('message', '')} | | | | | | |")
-            continue
-        cells = [format_bytes(r.get(key)) for key in ("measured_peak_bytes", "allocated_before_step_bytes",
-                                                      "ledger_activation_bytes", "fake_activation_bytes",
-                                                      "rule_peak_bytes", "planner_peak_bytes",
-                                                      "measured_minus_rule_bytes")]
-        lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
-    ok = {r["variant"]: r for r in record["rows"] if r.get("status") == "ok"}
-    if {"stock-sdpa", "tempo"} <= set(ok):
-        stock, tempo = ok["stock-sdpa"], ok["tempo"]
-        ratios = [f"activations (ledger) {tempo['ledger_activation_bytes'] / stock['ledger_activation_bytes']:.2f}"]
-        if stock.get("measured_peak_bytes") and tempo.get("measured_peak_bytes"):
-            ratios.insert(0, f"peak {tempo['measured_peak_bytes'] / stock['measured_peak_bytes']:.2f}")
-        lines += ["", "Tempo / stock sdpa: " + ", ".join(ratios) + "."]
-    return lines + ["", "measured − predicted: what no ledger sees (the loss's and the optimizer's transients, "
-                    "cuBLAS workspaces, the allocator's rounding). The tempo.plan column is the planner's predicted "
-                    "peak of the same step (it should be at or above the measured peak, within 5 %).", ""]
-
-
-def _projection_ms(projections: Optional[dict[str, Any]], choice: Optional[str], batch: int, seq: int) -> Optional[float]:
-    if not projections or not choice:
-        return None
-    for r in projections.get("records", []):
-        if r.get("choice") == choice and r.get("scope") == "layer" and r.get("batch") == batch \
-                and r.get("seq_len") == seq:
-            return (r.get("projected_ms") or {}).get("H100")
-    return None
-
-
-def _speed_section(out: Path, results: dict[str, Any]) -> list[str]:
-    rows = []
-    for stage in ("speed", "speed-compiled"):
-        rows += (_load(out / f"{stage}.json") or {}).get("rows", [])
-    projections = _load(out / "projections.json")
-    lines = ["## Speed: one layer, forward + backward, bf16 autocast, dropout 0.1", ""]
-    if not rows:
-        return lines + [f"No results (speed: {_status_word(results.get('speed'))}, speed-compiled: "
-                        f"{_status_word(results.get('speed-compiled'))}).", ""]
-    lines += ["| model | batch x seq | variant | median ms | p20 – p80 ms | vs stock (same shape) | "
-              "projected ms, H100 (tempo.movement) | first call s |", "|---|---|---|---|---|---|---|---|"]
-    stock = {}
-    for r in rows:
-        if r.get("status") == "ok" and r["variant"] in ("hf-sdpa", "deberta-eager"):
-            stock[(r["model"], r["batch"], r["seq_len"])] = r["ms"]["p50"]
-    for r in rows:
-        shape = f"{r['batch']} x {r['seq_len']}"
-        if r.get("status") != "ok":
-            lines.append(f"| {r['model']} | {shape} | {r['variant']} | {r.get('status')}: {r.get('message', '')} | | | | |")
-            continue
-        ms = r["ms"]
-        base = stock.get((r["model"], r["batch"], r["seq_len"]))
-        versus = f"{base / ms['p50']:.2f}x" if base and ms["p50"] else "-"
-        projected = _projection_ms(projections, r.get("projection_choice"), r["batch"], r["seq_len"])
-        projected_cell = f"{projected:.2f}" if projected is not None else "-"
-        lines.append(f"| {r['model']} | {shape} | {r['variant']} | {ms['p50']:.3f} | {ms['p20']:.3f} – {ms['p80']:.3f} | "
-                     f"{versus} | {projected_cell} | {r.get('first_call_s')} |")
-    timer = rows[0].get("timer", "")
-    lines += ["", f"{timer}; median of {rows[0].get('repeats')} calls after {rows[0].get('warmup')} warm-up calls "
-              "(and the first, timed apart). vs stock: stock median / this median (> 1: faster). Projections: "
-              "tempo.movement's per-kernel roofline for the same layer (stock sdpa: 'sdpa'; apply_tempo: 'floor'), "
-              "not measurements. The compiled rows (torch.compile, dynamic=False) have no projection."
-              + (f" Projections: {_status_word(results.get('projections'))}." if projections is None else ""), ""]
-    return lines
-
-
-def _maxbatch_section(out: Path, results: dict[str, Any]) -> list[str]:
-    record = _load(out / "max-batch.json")
-    lines = ["## Largest batch", ""]
-    if not record or not record.get("rows"):
-        return lines + [f"No results (max-batch: {_status_word(results.get('max-batch'))}).", ""]
-    search = record.get("search", {})
-    lines += [f"BERT-large pretraining step at s = {record.get('seq_len')} ({record.get('precision')}, "
-              f"{record.get('optimizer')}), searched in one process: doubling from {search.get('start')}, then "
-              f"bisecting to {search.get('resolution')} sequences (cap {search.get('cap')}); {record.get('memory')}.", "",
-              "| model | largest batch that fit | smallest that did not | probes | finished |", "|---|---|---|---|---|"]
-    for r in record["rows"]:
-        if r.get("status") not in ("ok", "running"):
-            lines.append(f"| {r['variant']} | {r.get('status')}: {r.get('message', '')} | | | |")
-            continue
-        finished = "yes" if r.get("complete") else (
-            "no (its time budget)" if r.get("status") == "ok" else "no (the stage was stopped)")
-        lines.append(f"| {r['variant']} | {r.get('largest_fitting')} | {r.get('smallest_failing')} | "
-                     f"{len(r.get('probes', []))} | {finished} |")
-    return lines + [""]
-
-
-# ------------------------------------------------------------------------------------------------
-# Command line
-# ------------------------------------------------------------------------------------------------
-STAGE_FUNCTIONS: dict[str, Callable[[Context], int]] = {
+STAGE_FUNCTIONS: dict[str, Callable[[Context], int]] = {  # every stage of the quick plan (gpu_suite.QUICK_LIMITS_S)
     "env": stage_env,
-    "correctness-layers": stage_correctness_layers,
-    "correctness-attention": stage_correctness_attention,
+    "correctness-layers": lambda ctx: run_checks(ctx, LAYER_CHECKS),
+    "correctness-attention": lambda ctx: run_checks(ctx, ATTENTION_CHECKS),
     "memory": stage_memory,
-    "speed": stage_speed,
+    "speed": lambda ctx: run_speed(ctx, compiled=False),
     "projections": stage_projections,
-    "speed-compiled": stage_speed_compiled,
+    "speed-compiled": lambda ctx: run_speed(ctx, compiled=True),
     "max-batch": stage_max_batch,
 }
-assert tuple(STAGE_FUNCTIONS) == QUICK_STAGES, "every stage of the plan has a body, in the plan's order"
-# What a stage needs on the CPU to run its Triton kernels (Triton's interpreter, switched on before
-# triton is imported) and what the max-batch stage sets on CUDA (fewer failures from fragmentation
-# after a probe that ran out of memory).
-CPU_STAGE_ENV = {"TRITON_INTERPRET": "1"}
-MAXBATCH_CUDA_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-DEFAULT_SIMULATED_BUDGET = "1.5MiB"  # the tiny model on the CPU: static 0.85 MB, ~0.07 MB per sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=QUICK_STAGES)
+    p.add_argument("stage", choices=tuple(STAGE_FUNCTIONS))
     p.add_argument("--out", required=True, help="the run directory: <stage>.json goes here")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU: the tests run every stage so)")
