@@ -1,5 +1,5 @@
 """The coverage table of issue 33: bytes kept for backward per token per added layer, every family of
-``tempo.bench.ledger_table.FAMILIES`` at its published geometry, stock / stock with an O(s) attention /
+``tempo.presets.FAMILIES`` at its published geometry, stock / stock with an O(s) attention /
 Liger-Kernel's modules / ``apply_tempo(model)`` / the no-recompute floor, block by block.
 
 A measurement script, not part of Tempo: Liger-Kernel is not a dependency. Install its wheel into a
@@ -59,8 +59,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tempo.bench.ledger_table import (FAMILIES, family_config, family_unavailable, format_swaps,  # noqa: E402
-                                      longest_seq_len, swaps_per_added_layer)
+from tempo.memory.tables import SMALL_VOCAB, format_swaps, swaps_per_added_layer  # noqa: E402
+from tempo.presets import FAMILIES, family_config, family_unavailable, longest_seq_len  # noqa: E402
 
 SEQ_LENS = (512, 2048)
 VARIANTS = ("stock", "stock+O(s)", "liger+O(s)", "tempo")
@@ -307,7 +307,7 @@ def added_layer(family: str, seq_len: int, prepare: Optional[Callable[[nn.Module
     from tempo.memory import ActivationLedger
     from tempo.memory.fake import FakeSession
 
-    config_of = config_of or (lambda layers: family_config(family, layers))
+    config_of = config_of or (lambda layers: family_config(family, layers, vocab=SMALL_VOCAB, attention="eager"))
     session = FakeSession() if fake else None
     models = {}
     for layers in (1, 2):
@@ -347,7 +347,7 @@ def floor_blocks(family: str, stock_two_layers: nn.Module, swaps: dict[str, int]
     q/k norms (Qwen3, Gemma3) counted as norms of their width, per head (their output is the pre-RoPE
     q, k; recovering it from attention's kept q, k by the inverse rotation would leave only the rstd).
     The norms are those of the stock model's layer 1 (ModernBERT's layer 0 has no attention norm)."""
-    config = family_config(family, 1)
+    config = family_config(family, 1, vocab=SMALL_VOCAB, attention="eager")
     h, heads = config.hidden_size, config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     d = getattr(config, "head_dim", None) or h // heads

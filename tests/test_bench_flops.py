@@ -5,7 +5,6 @@ import pytest
 from tempo.bench.flops import (
     bert_pretraining_flops,
     coarse_flops,
-    default_max_predictions,
     flops_per_sequence,
     mfu,
 )
@@ -13,6 +12,7 @@ from tempo.bench.hardware import device_label, known_gpu, peak_tflops
 from tempo.bench.timing import percentile, spread
 from tempo.bert.config import BertConfig
 from tempo.bench.common import resolve_our_config
+from tempo.presets import default_max_predictions
 
 
 def test_tiny_config_matches_a_hand_count():

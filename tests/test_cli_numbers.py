@@ -23,14 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def _commands() -> dict[str, tuple[argparse.ArgumentParser, list[str], argparse.ArgumentParser]]:
     """Each shipped command: (the parser its command line goes through, the argv prefix that satisfies
     its required arguments, the parser that holds its flags: a tempo.bench subcommand's own)."""
-    from tempo.bench import ledger_table, plan_cli
     from tempo.bench.__main__ import build_parser as bench_parser
+    from tempo.memory import cli as memory
     from tempo.movement import cli as movement
+    from tempo.plan import cli as plan
     from tempo.tasks import demo, pretrain, squad
 
     commands = {name: (parser, prefix, parser) for name, parser, prefix in (
-        ("python -m tempo.plan", plan_cli._parser(), []),
-        ("python -m tempo.memory", ledger_table.build_parser(), []),
+        ("python -m tempo.plan", plan._parser(), []),
+        ("python -m tempo.memory", memory.build_parser(), []),
         ("python -m tempo", demo.build_parser(), []),
         ("python -m tempo.movement", movement.build_parser(), []),
         ("run_pretraining.py", pretrain.build_parser(), ["--config_file", "c.json", "--output_dir", "out"]),
@@ -55,7 +56,7 @@ def _custom_checkers() -> dict:
     """Number checkers other than NumberArg: (bad values, a good value) each."""
     from tempo.bench.gpu_suite import parse_parts
     from tempo.bench.layer_bench import _parse_shape
-    from tempo.bench.ledger_table import MAX_FAMILY_SEQ_LEN, _seq_len
+    from tempo.memory.cli import MAX_FAMILY_SEQ_LEN, _seq_len
     from tempo.bench.ops_bench import _bytes_arg
     from tempo.train.flags import max_tokens_flag
 

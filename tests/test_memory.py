@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from tempo.bench.ledger_table import format_table, ledger_table, main
+from tempo import presets
 from tempo.memory import ActivationLedger, marginal_bytes_per_token, saved_bytes
+from tempo.memory.cli import main
+from tempo.memory.tables import format_table, ledger_table
 
 
 def test_views_of_one_storage_count_once():
@@ -61,7 +63,7 @@ def test_ledger_table_for_a_small_config_and_cli(capsys):
     assert "Left out: the HF columns and the transformers families table (--no-hf)." in out
 
 
-# -- the transformers families (tempo.bench.ledger_table.FAMILIES) ----------------------------------
+# -- the transformers families (tempo.presets.FAMILIES) ---------------------------------------------
 # What apply_tempo swaps in one added layer of each family, at least: the coverage table's column
 # (results/coverage/coverage_bf16.md, docs/huggingface.md). Every family of FAMILIES must be here.
 EXPECTED_SWAPS = {
@@ -87,25 +89,20 @@ def _skip_if_unavailable(family):
     import transformers
     from packaging.version import Version
 
-    from tempo.bench.ledger_table import family_unavailable
-
-    why = family_unavailable(family)
+    why = presets.family_unavailable(family)
     if why is not None:
         assert Version(transformers.__version__) < Version(NEWEST_TRANSFORMERS), f"{family}: {why}"
         pytest.skip(f"{family}: {why}")
 
 
 def _available_families():
-    from tempo.bench.ledger_table import FAMILIES, family_unavailable
-
-    return [f for f in FAMILIES if family_unavailable(f) is None]
+    return [f for f in presets.FAMILIES if presets.family_unavailable(f) is None]
 
 
 def tiny_fields(family):
     """The family's fields at a small width (h = 64, 4 heads, I = 128), the same config class: real models
     build in milliseconds; grouped kv heads stay grouped, sliding windows shorter than the test's s."""
-    from tempo.bench.ledger_table import FAMILIES
-
+    FAMILIES = presets.FAMILIES
     fields = dict(FAMILIES[family][2], hidden_size=64, num_attention_heads=4, intermediate_size=128)
     if "num_key_value_heads" in fields:
         grouped = FAMILIES[family][2]["num_key_value_heads"] < FAMILIES[family][2]["num_attention_heads"]
@@ -120,9 +117,7 @@ def tiny_fields(family):
 
 
 def test_every_family_has_its_expected_swaps_and_a_depth():
-    from tempo.bench.ledger_table import FAMILIES, FAMILY_DEPTH
-
-    assert set(EXPECTED_SWAPS) == set(FAMILIES) == set(FAMILY_DEPTH)
+    assert set(EXPECTED_SWAPS) == set(presets.FAMILIES) == set(presets.FAMILY_DEPTH)
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
@@ -135,15 +130,16 @@ def test_every_family_builds_and_gets_the_swaps_the_table_says(family, device, m
     _skip_if_unavailable(family)
     import transformers
 
-    from tempo.bench import ledger_table as table
     from tempo.integrations.patch import apply_tempo
+    from tempo.memory import tables as table
 
-    label, cls, _fields = table.FAMILIES[family]
-    monkeypatch.setitem(table.FAMILIES, family, (label, cls, tiny_fields(family)))
+    label, cls, _fields = presets.FAMILIES[family]
+    monkeypatch.setitem(presets.FAMILIES, family, (label, cls, tiny_fields(family)))
     models = {}
     for layers in (1, 2):
+        config = presets.family_config(family, layers, vocab=table.SMALL_VOCAB, attention="eager")
         with torch.device(device):
-            models[layers] = apply_tempo(transformers.AutoModel.from_config(table.family_config(family, layers)))
+            models[layers] = apply_tempo(transformers.AutoModel.from_config(config))
     swaps = table.swaps_per_added_layer(models[1], models[2])
     for kind, count in EXPECTED_SWAPS[family].items():
         assert swaps.get(kind, 0) >= count, (family, device, swaps)
@@ -151,23 +147,23 @@ def test_every_family_builds_and_gets_the_swaps_the_table_says(family, device, m
 
 def test_family_table_shows_what_apply_tempo_saves():
     pytest.importorskip("transformers")  # the hf extra; CI installs it
-    from tempo.bench.ledger_table import FAMILIES, family_table
+    from tempo.memory.tables import family_table
 
     available = _available_families()
     text = family_table(seq_lens=(16,), families=available)
     rows = [line for line in text.splitlines() if line.startswith("| ") and "| 16 |" in line]
-    assert [row.split(" | ")[0][2:] for row in rows] == [FAMILIES[f][0] for f in available]  # one per family
+    assert [row.split(" | ")[0][2:] for row in rows] == [presets.FAMILIES[f][0] for f in available]  # one per family
     for row in rows:
         before, after = (float(cell.strip().rstrip(" h")) for cell in row.split("|")[3:5])
         assert 0 < after < before, row
 
 
 def test_a_family_the_installed_transformers_lacks_or_a_too_long_s_is_refused_by_name(monkeypatch):
-    from tempo.bench import ledger_table as table
+    from tempo.memory import tables as table
 
-    monkeypatch.setitem(table.FAMILIES, "future", ("Future-1B (h=64)", "NoSuchFutureConfig",
-                                                   dict(hidden_size=64, max_position_embeddings=512)))
-    assert "has no NoSuchFutureConfig" in table.family_unavailable("future")
+    monkeypatch.setitem(presets.FAMILIES, "future", ("Future-1B (h=64)", "NoSuchFutureConfig",
+                                                     dict(hidden_size=64, max_position_embeddings=512)))
+    assert "has no NoSuchFutureConfig" in presets.family_unavailable("future")
     with pytest.raises(ValueError, match=r"family 'future' \(Future-1B \(h=64\)\) cannot be built: transformers "
                                          r".* has no NoSuchFutureConfig"):
         table.family_rows(seq_lens=(16,), families=("future",))
@@ -175,21 +171,20 @@ def test_a_family_the_installed_transformers_lacks_or_a_too_long_s_is_refused_by
         table.family_rows(seq_lens=(513,), families=("minilm",))
     with pytest.raises(ValueError, match="family 'mpnet-base' takes sequences of at most 512 tokens"):
         table.family_batch_rows(1 << 30, 513, ("mpnet-base",))
-    assert table.longest_seq_len("mpnet-base") == 512  # 514 positions counted from padding_idx + 1
+    assert presets.longest_seq_len("mpnet-base") == 512  # 514 positions counted from padding_idx + 1
 
 
 def test_cli_leaves_out_unavailable_families_and_too_long_lengths_in_its_one_line(monkeypatch, capsys):
     pytest.importorskip("transformers")
-    from tempo.bench import ledger_table as table
-
-    monkeypatch.setitem(table.FAMILIES, "future", ("Future-1B (h=64)", "NoSuchFutureConfig",
-                                                   dict(hidden_size=64, max_position_embeddings=512)))
-    monkeypatch.setitem(table.FAMILY_DEPTH, "future", (2, 100))
-    monkeypatch.setitem(table.FAMILIES, "minilm", (table.FAMILIES["minilm"][0], "BertConfig",
-                                                   dict(tiny_fields("minilm"), max_position_embeddings=16)))
-    monkeypatch.setitem(table.FAMILIES, "nomicbert", (table.FAMILIES["nomicbert"][0], "NomicBertConfig",
-                                                      tiny_fields("nomicbert")))
-    monkeypatch.setitem(table.FAMILY_DEPTH, "nomicbert", (2, 100))
+    FAMILIES, FAMILY_DEPTH = presets.FAMILIES, presets.FAMILY_DEPTH
+    monkeypatch.setitem(FAMILIES, "future", ("Future-1B (h=64)", "NoSuchFutureConfig",
+                                             dict(hidden_size=64, max_position_embeddings=512)))
+    monkeypatch.setitem(FAMILY_DEPTH, "future", (2, 100))
+    monkeypatch.setitem(FAMILIES, "minilm", (FAMILIES["minilm"][0], "BertConfig",
+                                             dict(tiny_fields("minilm"), max_position_embeddings=16)))
+    monkeypatch.setitem(FAMILIES, "nomicbert", (FAMILIES["nomicbert"][0], "NomicBertConfig",
+                                                tiny_fields("nomicbert")))
+    monkeypatch.setitem(FAMILY_DEPTH, "nomicbert", (2, 100))
     assert main(["--seq-lens", "16", "32", "--no-stack", "--families", "minilm", "nomicbert", "future",
                  "--batch-seq-len", "32"]) == 0
     out = capsys.readouterr().out
@@ -233,7 +228,7 @@ def _hf_variants(variants):
 def test_lone_layer_table_fake_count_equals_the_real_ledger():
     # Every column of the lone-layer table, BERT-large, at s = 16 (the bytes per token at batch 2 minus
     # batch 1 are exact at any s: the fake count runs the same code on the same shapes).
-    from tempo.bench.ledger_table import LEDGER_VARIANTS
+    from tempo.memory.tables import LEDGER_VARIANTS
 
     variants = _hf_variants(LEDGER_VARIANTS + ("hf-eager",))
     fake = ledger_table(seq_lens=(16,), variants=variants, fake=True)
@@ -244,7 +239,7 @@ def test_lone_layer_table_fake_count_equals_the_real_ledger():
 def test_stack_table_fake_count_equals_the_real_ledger():
     # Every column of the per-added-layer table (ours and transformers' BertModel before/after
     # apply_tempo), on the tiny config (same code paths, BERT-large's would only take longer to build).
-    from tempo.bench.ledger_table import STACK_VARIANTS, stack_table
+    from tempo.memory.tables import STACK_VARIANTS, stack_table
 
     variants = _hf_variants(STACK_VARIANTS)
     fake = stack_table(seq_lens=(16,), variants=variants, config_name="bert_tiny", fake=True)
@@ -258,10 +253,10 @@ def test_family_table_fake_count_equals_the_real_ledger(family, monkeypatch):
     # models build fast; sliding windows shorter than s, so those layers mask.
     pytest.importorskip("transformers")
     _skip_if_unavailable(family)
-    from tempo.bench import ledger_table as table
+    from tempo.memory import tables as table
 
-    label, cls, _fields = table.FAMILIES[family]
-    monkeypatch.setitem(table.FAMILIES, family, (label, cls, tiny_fields(family)))
+    label, cls, _fields = presets.FAMILIES[family]
+    monkeypatch.setitem(presets.FAMILIES, family, (label, cls, tiny_fields(family)))
     fake = table.family_rows(seq_lens=(16,), families=(family,), fake=True)
     real = table.family_rows(seq_lens=(16,), families=(family,), fake=False)
     assert fake == real
@@ -274,9 +269,7 @@ def test_unknown_family_or_length_is_named_with_the_valid_ones(capsys):
         main(["--families", "minilm", "bert-base"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    from tempo.bench.ledger_table import FAMILIES
-
-    assert "unknown family 'bert-base'" in err and f"valid: {', '.join(FAMILIES)}" in err
+    assert "unknown family 'bert-base'" in err and f"valid: {', '.join(presets.FAMILIES)}" in err
     for bad, said in (("8193", "sequence length 8193 is out of range"), ("0", "sequence length 0 is out of range"),
                       ("long", "'long' is not a sequence length")):
         with pytest.raises(SystemExit) as exc:
@@ -317,12 +310,12 @@ def test_largest_batch_table_fake_count_equals_the_real_ledger(monkeypatch, caps
     """The whole-encoder rows (per sequence, the largest batch in a budget) are the same counted on
     fake or on real tensors, and the largest batch follows the main job's rule."""
     pytest.importorskip("transformers")
-    from tempo.bench import ledger_table as table
+    from tempo.memory import tables as table
 
-    label, cls, fields = table.FAMILIES["deberta-v3-large"]
-    monkeypatch.setitem(table.FAMILIES, "deberta-v3-large",
+    label, cls, fields = presets.FAMILIES["deberta-v3-large"]
+    monkeypatch.setitem(presets.FAMILIES, "deberta-v3-large",
                         (label, cls, dict(fields, hidden_size=64, num_attention_heads=1, intermediate_size=128)))
-    monkeypatch.setitem(table.FAMILY_DEPTH, "deberta-v3-large", (3, 500))
+    monkeypatch.setitem(presets.FAMILY_DEPTH, "deberta-v3-large", (3, 500))
     budget = 64 << 20
     fake = table.family_batch_rows(budget, 32, ("deberta-v3-large",), fake=True)
     real = table.family_batch_rows(budget, 32, ("deberta-v3-large",), fake=False)

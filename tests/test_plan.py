@@ -211,14 +211,12 @@ def _published(family):
     """transformers' model of ``family`` (every family of ``python -m tempo.memory``) at its published
     geometry, depth and vocabulary, on the meta device, with a head that has a loss: masked LM where
     the family has one, else causal LM."""
-    from tempo.bench.ledger_table import FAMILIES, FAMILY_DEPTH, family_unavailable
+    from tempo.presets import family_config, family_unavailable
 
     why = family_unavailable(family)
     if why is not None:
         pytest.skip(f"{family}: {why}")
-    _label, cls_name, fields = FAMILIES[family]
-    depth, vocab = FAMILY_DEPTH[family]
-    config = getattr(transformers, cls_name)(vocab_size=vocab, num_hidden_layers=depth, **fields)
+    config = family_config(family)
     for head in (transformers.AutoModelForMaskedLM, transformers.AutoModelForCausalLM):
         try:
             with torch.device("meta"):

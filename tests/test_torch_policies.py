@@ -1,4 +1,4 @@
-"""tempo.bench.torch_policies: what torch's own policies keep, counted on fake tensors, held to real runs.
+"""tempo.plan.torch_policies: what torch's own policies keep, counted on fake tensors, held to real runs.
 
 The counts run on fake tensors; here each is held, byte for byte, to a real CPU run of a tiny BERT
 (``semantics="cpu"``: the CPU's code paths on both sides): compiled policies to the saved tensors of a real
@@ -14,8 +14,10 @@ import pytest
 import torch
 import transformers
 
-from tempo.bench import torch_policies as tp
+from tempo.bench import torch_policies as command
 from tempo.memory import ActivationLedger
+from tempo.plan import torch_policies as tp
+from tempo.presets import FAMILIES, FAMILY_DEPTH, family_config
 
 TINY = "tiny-bert"  # h = 64, 4 heads (head dim 16: sdpa's flash kernel takes it), I = 128, 2 layers
 WIDE = "tiny-bert-wide-activations"  # activations far above parameters: the budget knob acts
@@ -25,19 +27,16 @@ S, B = 16, 2
 
 @pytest.fixture(autouse=True)
 def tiny_families(monkeypatch):
-    monkeypatch.setitem(tp.FAMILIES, TINY, ("tiny BERT", "BertConfig", dict(
+    monkeypatch.setitem(FAMILIES, TINY, ("tiny BERT", "BertConfig", dict(
         hidden_size=64, num_attention_heads=4, intermediate_size=128, max_position_embeddings=64)))
-    monkeypatch.setitem(tp.FAMILY_DEPTH, TINY, (2, 100))
-    monkeypatch.setitem(tp._MAX_POSITIONS, TINY, 64)
-    monkeypatch.setitem(tp.FAMILIES, WIDE, ("tiny BERT, long sequences", "BertConfig", dict(
+    monkeypatch.setitem(FAMILY_DEPTH, TINY, (2, 100))
+    monkeypatch.setitem(FAMILIES, WIDE, ("tiny BERT, long sequences", "BertConfig", dict(
         hidden_size=32, num_attention_heads=2, intermediate_size=64, max_position_embeddings=256)))
-    monkeypatch.setitem(tp.FAMILY_DEPTH, WIDE, (2, 50))
-    monkeypatch.setitem(tp._MAX_POSITIONS, WIDE, 256)
-    monkeypatch.setitem(tp.FAMILIES, MODERN, ("tiny ModernBERT", "ModernBertConfig", dict(
+    monkeypatch.setitem(FAMILY_DEPTH, WIDE, (2, 50))
+    monkeypatch.setitem(FAMILIES, MODERN, ("tiny ModernBERT", "ModernBertConfig", dict(
         hidden_size=64, num_attention_heads=4, intermediate_size=96, global_attn_every_n_layers=3, local_attention=8,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, max_position_embeddings=64)))
-    monkeypatch.setitem(tp.FAMILY_DEPTH, MODERN, (9, 100))
-    monkeypatch.setitem(tp._MAX_POSITIONS, MODERN, 64)
+    monkeypatch.setitem(FAMILY_DEPTH, MODERN, (9, 100))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -45,7 +44,7 @@ def tiny_families(monkeypatch):
 
 def _real_model(family: str, layers: int, checkpoint_kind=None) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = transformers.BertModel(tp.family_config(family, layers, "sdpa"), add_pooling_layer=False).train()
+    model = transformers.BertModel(family_config(family, layers, attention="sdpa"), add_pooling_layer=False).train()
     if checkpoint_kind is not None:
         tp.checkpoint_blocks(model, checkpoint_kind)
     return model
@@ -221,7 +220,7 @@ def test_budgeted_compile_redraws_dropout_masks_as_its_row_says():
     assert "fresh seeds" in row.recomputed_text
 
     def step(budget, dropout):
-        config = tp.family_config(WIDE, 2, "sdpa")
+        config = family_config(WIDE, 2, attention="sdpa")
         config.hidden_dropout_prob = config.attention_probs_dropout_prob = dropout
         torch.manual_seed(0)
         model = transformers.BertModel(config, add_pooling_layer=False).train()
@@ -322,7 +321,7 @@ def test_a_graph_break_is_an_error_not_a_partial_count(monkeypatch):
 
 
 def test_command_prints_the_table(capsys):
-    assert tp.main(["--model", TINY, "--seq-len", str(S), "--tokens", "32", "--policies", "eager",
+    assert command.main(["--model", TINY, "--seq-len", str(S), "--tokens", "32", "--policies", "eager",
                     "compile-budget-0.5", "full-checkpoint"]) == 0
     out, err = capsys.readouterr()
     assert "| policy | bytes kept |" in out
@@ -340,6 +339,6 @@ def test_command_prints_the_table(capsys):
 ])
 def test_command_refuses_bad_input(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        tp.main(argv)
+        command.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err

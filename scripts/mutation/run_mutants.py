@@ -71,7 +71,7 @@ FIRST = {
                             "test_dropout_replay.py", "test_host_reads.py", "test_exactness.py"],
     "tempo/train/step.py": ["test_train_step.py", "test_optim.py", "test_pretraining.py"],
     "tempo/memory/__init__.py": ["test_memory.py", "test_movement.py"],
-    "tempo/bench/ledger_table.py": ["test_memory.py"],
+    "tempo/memory/tables.py": ["test_memory.py"],
     "tempo/tasks/demo.py": ["test_demo.py"],
     "tempo/ops/_backend.py": ["test_stock_parity.py", "test_dropout_add_layernorm.py", "test_combined.py",
                               "test_efficient_attention.py"],
@@ -92,7 +92,7 @@ GREP = {
     "tempo/bert/model.py": ["tempo.bert.model", "key_padding_mask"],
     "tempo/train/step.py": ["tempo.train.step", "train_step"],
     "tempo/memory/": ["tempo.memory", "FakeSession", "ActivationLedger"],
-    "tempo/bench/ledger_table.py": ["ledger_table"],
+    "tempo/presets.py": ["tempo.presets", "tempo import presets"],
     "tempo/tasks/demo.py": ["tempo.tasks.demo", "tasks import demo"],
     "tempo/movement/": ["tempo.movement"],
 }

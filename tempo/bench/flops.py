@@ -93,8 +93,3 @@ def mfu(achieved_tflops: float, peak: float | None) -> float | None:
     if peak is None or peak <= 0 or math.isnan(achieved_tflops):
         return None
     return achieved_tflops / peak
-
-
-def default_max_predictions(seq_len: int) -> int:
-    """15% of the tokens rounded up to a multiple of 4: DLE's 20 at s=128 and 80 at s=512."""
-    return min(seq_len, 4 * math.ceil(0.15 * seq_len / 4))

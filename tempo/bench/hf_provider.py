@@ -59,20 +59,12 @@ def hf_config(spec: str, attention: str = "eager") -> Any:
         if not (path / "config.json").is_file():
             raise ProviderError(f"--model {spec}: no config.json in {path}")
         config = transformers.BertConfig.from_pretrained(str(path), local_files_only=True)
-    else:
-        from tempo.bench.common import resolve_our_config
+        config._attn_implementation = attention
+        return config
+    from tempo.bench.common import resolve_our_config
+    from tempo.presets import hf_bert_config
 
-        ours = resolve_our_config(name.replace("-", "_"))
-        config = transformers.BertConfig(
-            vocab_size=ours.vocab_size, hidden_size=ours.hidden_size,
-            num_hidden_layers=ours.num_hidden_layers, num_attention_heads=ours.num_attention_heads,
-            intermediate_size=ours.intermediate_size, hidden_act="gelu",
-            hidden_dropout_prob=ours.hidden_dropout_prob,
-            attention_probs_dropout_prob=ours.attention_probs_dropout_prob,
-            max_position_embeddings=ours.max_position_embeddings, type_vocab_size=ours.type_vocab_size,
-            layer_norm_eps=ours.layer_norm_eps, initializer_range=ours.initializer_range)
-    config._attn_implementation = attention
-    return config
+    return hf_bert_config(resolve_our_config(name.replace("-", "_")), attention=attention)
 
 
 def build_hf_model(spec: str, attention: str = "eager", head: str = "pretraining",

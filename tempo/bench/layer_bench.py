@@ -32,7 +32,7 @@ from tempo.utils import non_negative_int, positive_int
 SHAPES = {"substation": [(8, 512), (96, 128)], "tiny": [(2, 32)]}
 VARIANTS = ("original", "tempo", "sdpa", "tempo-sdpa", "tempo-floor", "compiled", "hf-eager", "hf-sdpa")
 MODES = ("fwd", "bwd", "fwd+bwd")
-# variant -> (ledger variant name in tempo.bench.ledger_table, options)
+# variant -> (ledger variant name in tempo.memory.tables, options)
 _LEDGER_NAME = {"original": "original", "tempo": "tempo", "sdpa": "original+sdpa", "tempo-sdpa": "tempo+sdpa",
                 "tempo-floor": "tempo-floor", "hf-eager": "hf-eager", "hf-sdpa": "hf-sdpa"}
 
@@ -53,13 +53,12 @@ def build_layer(variant: str, config: Any, device: str) -> tuple[Callable[..., t
 
     if variant.startswith("hf-"):
         try:
-            from transformers import BertConfig as HFBertConfig
             from transformers.models.bert.modeling_bert import BertLayer as HFBertLayer
         except ImportError:
             raise RuntimeError("HF transformers is not installed") from None
-        hf_config = HFBertConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                                 intermediate_size=config.intermediate_size)
-        hf_config._attn_implementation = variant[3:]
+        from tempo.presets import hf_bert_config
+
+        hf_config = hf_bert_config(config, attention=variant[3:])
         layer = HFBertLayer(hf_config).to(device).train()
 
         def hf_call(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -125,7 +124,7 @@ def bench_variant(variant: str, config: Any, batch: int, seq: int, device: str, 
     ledger_name = _LEDGER_NAME.get(variant)
     result["ledger_bytes"] = None
     if ledger_name is not None:
-        from tempo.bench.ledger_table import bert_layer_ledger
+        from tempo.memory.tables import bert_layer_ledger
 
         result["ledger_bytes"] = bert_layer_ledger(ledger_name, seq, batch, dtype, device,
                                                    config_name=config_name).activation_bytes

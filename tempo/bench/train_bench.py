@@ -28,11 +28,12 @@ from torch import nn
 
 from tempo.choices import ATTENTIONS, PAPER_KINDS, LAYER_KINDS, ChoiceError, TempoChoice, parse_kinds
 from tempo.bench import anatomy as anat
-from tempo.bench.flops import FORMULAS, bert_pretraining_flops, default_max_predictions, flops_per_sequence, mfu
+from tempo.bench.flops import FORMULAS, bert_pretraining_flops, flops_per_sequence, mfu
 from tempo.bench.hardware import device_name, environment, peak_tflops
 from tempo.choices import PRECISIONS
 from tempo.bench.common import BenchError, SimulatedOOM, resolve_our_config
 from tempo.bench.timing import spread
+from tempo.presets import default_max_predictions
 from tempo.train.flags import add_training_flags
 from tempo.train.runtime import autocast_context, configure_matmul_precision, peak_memory_bytes, wrap_ddp
 from tempo.train.step import StepClock, TrainStep

@@ -16,9 +16,9 @@ live only during forward or backward: the allocator's peak measures those.
 
 ``tempo.memory.fake.FakeSession`` counts the same bytes on fake tensors: no data, no compute.
 
-``python -m tempo.memory`` prints the per-layer tables for BERT-large encoder layers and transformers'
-encoders (the tables themselves live with the benchmarks, ``tempo.bench.ledger_table``: they build
-models, this module does not).
+``python -m tempo.memory`` (``tempo.memory.cli``) prints the per-layer tables for BERT-large encoder
+layers and transformers' encoders. The tables (``tempo.memory.tables``) build models; this module and
+``tempo.memory.fake`` do not, so every layer of Tempo may count with them.
 """
 
 from __future__ import annotations

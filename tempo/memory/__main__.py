@@ -1,5 +1,5 @@
-"""``python -m tempo.memory``: the activation-ledger tables, counted on fake tensors (see tempo.bench.ledger_table)."""
+"""``python -m tempo.memory``: the activation-ledger tables, counted on fake tensors (see tempo/memory/cli.py)."""
 
-from tempo.bench.ledger_table import main
+from tempo.memory.cli import main
 
 raise SystemExit(main())

@@ -154,12 +154,10 @@ def _hf_model(task: str, variant: str, layers: int, config: str):
 
     from tempo.integrations.patch import apply_tempo
 
-    cfg = _config(config)
+    from tempo.presets import hf_bert_config
+
     attn = "sdpa" if variant == "hf-sdpa" else "eager"
-    hf_config = transformers.BertConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=layers,
-        num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=cfg.max_position_embeddings, attn_implementation=attn)
+    hf_config = hf_bert_config(_config(config), layers, attention=attn)
     cls = transformers.BertForPreTraining if task == "pretraining" else transformers.BertForQuestionAnswering
 
     def build():
@@ -206,7 +204,7 @@ def model_workload(name: str, task: str, batch: int, seq_len: int, *, layers: Op
     "pretraining" (MLM on ``predictions`` positions per sequence, DLE's 15 % by default, plus NSP)
     or "squad" (start/end logits). ``layers`` defaults to the config's. ``optimizer``: add one fused
     Adam update of every parameter (``adam_update``) to the step."""
-    from tempo.bench.flops import default_max_predictions
+    from tempo.presets import default_max_predictions
 
     if task not in ("pretraining", "squad"):
         raise ValueError(f"task must be 'pretraining' or 'squad', got {task!r}")

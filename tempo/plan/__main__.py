@@ -1,5 +1,5 @@
-"""``python -m tempo.plan``: the command lives with the benchmarks (it builds models); see tempo/bench/plan_cli.py."""
+"""``python -m tempo.plan``: see tempo/plan/cli.py."""
 
-from tempo.bench.plan_cli import main
+from tempo.plan.cli import main
 
 raise SystemExit(main())

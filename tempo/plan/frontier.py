@@ -12,7 +12,7 @@ AdamW-style optimizer states, the model's masked-LM head over every position):
   * eager, sdpa, full checkpointing: ``tempo.plan.count`` of the model without Tempo (its attention
     implementation "eager" or "sdpa"), every block "none" or every block "full": the same composed
     step, peak and kernels as Tempo's plans, by the same code.
-  * compile + sdpa, the budget knob, selective checkpointing: ``tempo.bench.torch_policies`` counts
+  * compile + sdpa, the budget knob, selective checkpointing: ``tempo.plan.torch_policies`` counts
     what each keeps per token per layer and what its backward recomputes (torch's own partitioner and
     checkpoint policies). Their step is sdpa's with each block's kept bytes replaced by the policy's
     (at every segment, for the blocks whose activations are alive there) and the recomputed FLOPs
@@ -97,9 +97,9 @@ def _alive_blocks(segment: tuple, layers: int) -> int:
 
 
 def _derived_point(name: str, sdpa: Any, counts: dict, budget: int) -> PolicyPoint:
-    """A torch policy counted by tempo.bench.torch_policies, on sdpa's composed step (module docstring)."""
+    """A torch policy counted by tempo.plan.torch_policies, on sdpa's composed step (module docstring)."""
     from tempo.plan.compose import compose
-    from tempo.plan.planner import COMPOSITION_MARGIN, TOKEN_ROUNDING, largest_tokens
+    from tempo.plan.planner import COMPOSITION_MARGIN, largest_tokens
 
     policy, reference = counts[name], counts.get("sdpa") or counts["eager"]
     if not policy.counted:
@@ -155,10 +155,10 @@ def frontier(scenarios: Sequence[tuple[str, int]] = SCENARIOS, budgets: Sequence
              progress: Optional[Callable[[str], None]] = None) -> list[FrontierRow]:
     """The rows of the frontier table (module docstring). ``layers``: build each model with this many
     blocks instead of its published depth (tests)."""
-    from tempo.bench.plan_cli import build_family
-    from tempo.bench.torch_policies import DEFAULT_TOKENS, count_policies, supports_sdpa
     from tempo.plan.budget import PlanError
     from tempo.plan.planner import choose, count
+    from tempo.plan.torch_policies import DEFAULT_TOKENS, count_policies
+    from tempo.presets import build_family, supports_sdpa
 
     say = progress or (lambda line: None)
     rows = []
@@ -172,7 +172,7 @@ def frontier(scenarios: Sequence[tuple[str, int]] = SCENARIOS, budgets: Sequence
             stock[attention] = count(build_family(family, "mlm", layers, attention=attention), seq_len, device,
                                      tempo=False, modes=("none", "full"))
         base = stock.get("sdpa") or stock["eager"]
-        say(f"{family}, s = {seq_len}: torch's compile and selective checkpointing (tempo.bench.torch_policies)")
+        say(f"{family}, s = {seq_len}: torch's compile and selective checkpointing (tempo.plan.torch_policies)")
         names = ["eager", *(["sdpa"] if "sdpa" in stock else []), *DERIVED]
         tokens = seq_len * math.ceil(DEFAULT_TOKENS / seq_len)  # the knob's whole-model rows: whole sequences
         counts = {c.policy: c for c in count_policies(names, family, seq_len, tokens=tokens)}
@@ -207,7 +207,7 @@ def _recompute_text(recompute: list) -> str:
 
 
 def format_frontier(rows: list[FrontierRow]) -> str:
-    from tempo.bench.ledger_table import FAMILIES
+    from tempo.presets import FAMILIES
 
     def cells(t: PolicyPoint, p: Optional[PolicyPoint]) -> str:
         if p is None:

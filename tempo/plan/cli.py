@@ -2,14 +2,13 @@
 
     python -m tempo.plan --model bert-large --seq-len 512 --budget 24GiB
     python -m tempo.plan --model deberta-v3-large --lengths lengths.txt --budget 40GiB --device a100
-    python -m tempo.plan --frontier            # Tempo's plans beside torch's own policies (tempo.bench.frontier)
+    python -m tempo.plan --frontier            # Tempo's plans beside torch's own policies (tempo.plan.frontier)
 
 Models are transformers' at their published sizes, built on the meta device from their configs
-(``tempo.bench.ledger_table.FAMILIES``: nothing is downloaded, no memory is used), with the head
-``--task`` names (masked-LM by default: logits for every position, as transformers' *ForMaskedLM
-trains). ``--lengths`` takes a file of one length per line (or whitespace-separated) as the sample
-of the data's lengths; ``--seq-len`` one length. It lives on the benchmark side because it builds
-models; ``tempo.plan`` itself only counts.
+(``tempo.presets``: nothing is downloaded, no memory is used), with the head ``--task`` names
+(masked-LM by default: logits for every position, as transformers' *ForMaskedLM trains).
+``--lengths`` takes a file of one length per line (or whitespace-separated) as the sample of the
+data's lengths; ``--seq-len`` one length.
 """
 
 from __future__ import annotations
@@ -20,29 +19,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
-
-import torch
-
-TASKS = {"mlm": "AutoModelForMaskedLM", "encoder": "AutoModel", "classification": "AutoModelForSequenceClassification"}
-
-
-def build_family(family: str, task: str = "mlm", layers: Optional[int] = None,
-                 attention: Optional[str] = None) -> torch.nn.Module:
-    """transformers' model of ``family`` at its published depth (or ``layers``), on the meta device;
-    ``attention``: its attn_implementation (default: transformers')."""
-    import transformers
-
-    from tempo.bench.ledger_table import FAMILIES, FAMILY_DEPTH, family_unavailable
-
-    why = family_unavailable(family)
-    if why is not None:
-        raise SystemExit(f"python -m tempo.plan: --model {family}: {why}")
-    _label, cls_name, fields = FAMILIES[family]
-    depth, vocab = FAMILY_DEPTH[family]
-    extra = {} if attention is None else {"attn_implementation": attention}
-    config = getattr(transformers, cls_name)(vocab_size=vocab, num_hidden_layers=layers or depth, **fields, **extra)
-    with torch.device("meta"):
-        return getattr(transformers, TASKS[task]).from_config(config)
 
 
 def read_lengths(path: str) -> list[int]:
@@ -62,10 +38,10 @@ def read_lengths(path: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tempo.bench.ledger_table import FAMILIES
     from tempo.plan.budget import DEVICES
     from tempo.plan.planner import PRECISIONS
     from tempo.plan.states import OPTIMIZERS
+    from tempo.presets import FAMILIES, TASKS
     from tempo.utils import positive_int, positive_size
 
     parser = argparse.ArgumentParser(prog="python -m tempo.plan", description=__doc__.split("\n\n")[0],
@@ -84,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--candidates", action="store_true", help="also print every recompute plan tried (with --frontier: every policy of every row)")
     parser.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     parser.add_argument("--frontier", action="store_true",
-                        help="the frontier table: Tempo's plans against torch's own policies (tempo.bench.frontier)")
+                        help="the frontier table: Tempo's plans against torch's own policies (tempo.plan.frontier)")
     return parser
 
 
@@ -117,16 +93,20 @@ def plan_record(plan: Any) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.frontier:
-        from tempo.bench.frontier import main as frontier_main
+        from tempo.plan.frontier import main as frontier_main
 
         return frontier_main((["--json", args.json] if args.json else []) + (["--details"] if args.candidates else []))
     from tempo.plan import PlanError, plan
     from tempo.plan.report import format_candidates
+    from tempo.presets import build_family, family_unavailable
     from tempo.utils import atomic_write_text
 
     start = time.perf_counter()
     say = _progress(start)
     lengths: Any = read_lengths(args.lengths) if args.lengths else args.seq_len
+    why = family_unavailable(args.model)
+    if why is not None:  # a family newer than this transformers
+        raise SystemExit(f"python -m tempo.plan: --model {args.model}: {why}")
     say(f"building {args.model} ({args.task}) on the meta device")
     model = build_family(args.model, args.task)
     try:
@@ -145,4 +125,4 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-__all__ = ["TASKS", "build_family", "main", "plan_record", "read_lengths"]
+__all__ = ["main", "plan_record", "read_lengths"]
