@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tempo.integrations import model_calls
-from tempo.integrations.recipe import Built, Options, Recipe, Skip, has_meta_weights, same_output, sample
+from tempo.integrations.recipe import Built, Options, Recipe, Skip, output_check, restore_children, sample
 from tempo.ops.combined import combined_softmax_dropout_matmul
 from tempo.ops.disentangled_attention import (disentangled_attention, disentangled_attention_varlen,
                                               relative_position_index)
@@ -453,20 +453,11 @@ def check_inputs(original: nn.Module, seq_len: int = 5) -> tuple:
     return h, mask, False, None, None, rel
 
 
-def matches_original(new: nn.Module, original: nn.Module) -> bool:
-    """The replacement computes what the original does (eval mode, dropout off, a padded row)."""
-    if has_meta_weights(original):
-        return True  # nothing to compute with yet; the structure was checked
-    return same_output(original, new, *check_inputs(original))
+matches_original = output_check(check_inputs)  # the recipe's check: a padded row, eval mode, dropout off
 
 
 def _build_combined(old: nn.Module, options: Options) -> nn.Module:
     return DebertaCombinedAttention(old)
-
-
-def _restore(new: nn.Module, original: nn.Module) -> None:
-    for name, child in new._modules.items():
-        original._modules[name] = child
 
 
 def _build_efficient(old: nn.Module, options: Options) -> Built:
@@ -480,7 +471,7 @@ def _build_efficient(old: nn.Module, options: Options) -> Built:
 def deberta_recipes() -> list[Recipe]:
     """The attention core: the O(s) disentangled attention for attention="efficient" (and the
     default), Combined for attention="tempo" (the paper's: keeps the probabilities)."""
-    common = dict(option="attention", recognise=is_deberta_v2_attention, check=matches_original, restore=_restore)
+    common = dict(option="attention", recognise=is_deberta_v2_attention, check=matches_original, restore=restore_children)
     return [
         Recipe(kind="DeBERTa attention", becomes="DebertaEfficientAttention (disentangled attention in O(s): "
                                                  "tempo.ops.disentangled_attention)",

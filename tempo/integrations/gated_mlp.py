@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from tempo.integrations.layers import _probe_gelu_form, computes_silu
-from tempo.integrations.recipe import Options, Recipe, Skip, has_meta_weights, same_output, sample
+from tempo.integrations.recipe import Options, Recipe, Skip, has_meta_weights, restore_children, same_output, sample
 
 KIND = "gated MLP"
 
@@ -202,11 +202,6 @@ def _check(original: nn.Module, replacement: nn.Module) -> bool:
     return same_output(original, replacement, _check_input(original, layout.fused or layout.gate))
 
 
-def _restore(new: nn.Module, original: nn.Module) -> None:
-    for name, child in new._modules.items():  # the current ones: an adapter put on since goes back too
-        original._modules[name] = child
-
-
 def _label(new: nn.Module) -> tuple[str, str]:
     names = {"silu": "SwiGLU", "gelu": "GeGLU", "gelu_tanh": "tanh GeGLU"}
     return f"{KIND} ({names[new.layout.activation]})", "GatedMLP (gated_linear: keeps gate and up only)"
@@ -216,7 +211,7 @@ def gated_mlp_recipes() -> list[Recipe]:
     from tempo.ops.gated_mlp import GatedMLP
 
     return [Recipe(kind=KIND, becomes="GatedMLP (gated_linear: keeps gate and up only)", option="gelu",
-                   replacement=GatedMLP, recognise=_recognise, build=_build, check=_check, restore=_restore,
+                   replacement=GatedMLP, recognise=_recognise, build=_build, check=_check, restore=restore_children,
                    label=_label)]
 
 

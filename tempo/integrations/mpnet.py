@@ -58,7 +58,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from tempo.integrations import model_calls
-from tempo.integrations.recipe import Options, Recipe, has_meta_weights, same_output, sample
+from tempo.integrations.recipe import Options, Recipe, output_check, restore_children, sample
 
 logger = logging.getLogger("tempo.integrations.mpnet")
 
@@ -316,20 +316,11 @@ def check_inputs(original: nn.Module, seq_len: int = 5) -> tuple:
     return hidden, mask, bias
 
 
-def matches_original(original: nn.Module, new: nn.Module) -> bool:
-    """The replacement computes what the original does (eval mode, dropout off, a padded row)."""
-    if has_meta_weights(original):
-        return True  # nothing to compute with yet; the structure was checked
-    return same_output(original, new, *check_inputs(original))
+matches_original = output_check(check_inputs)  # the recipe's check: a padded row, eval mode, dropout off
 
 
 def _build(old: nn.Module, options: Options) -> nn.Module:
     return MPNetEfficientSelfAttention(old)
-
-
-def _restore(new: nn.Module, original: nn.Module) -> None:
-    for name, child in new._modules.items():
-        original._modules[name] = child
 
 
 def _install_model_hooks(model: nn.Module) -> None:
@@ -348,7 +339,7 @@ def mpnet_recipes() -> list[Recipe]:
                    becomes="MPNetEfficientSelfAttention (O(s): the relative position bias as efficient_attention's "
                            "attn_bias, shared by the batch)",
                    option="attention", replacement=MPNetEfficientSelfAttention, recognise=is_mpnet_self_attention,
-                   build=_build, check=matches_original, restore=_restore,
+                   build=_build, check=matches_original, restore=restore_children,
                    enabled=lambda options: options.attention == "efficient",
                    model_hook=_install_model_hooks, model_unhook=_remove_model_hooks)]
 

@@ -340,6 +340,24 @@ def same_output(original: nn.Module, replacement: nn.Module, *inputs: Any) -> Ch
     return CheckResult(True)
 
 
+def output_check(inputs: Callable[[nn.Module], tuple]) -> Callable[[nn.Module, nn.Module], Any]:
+    """A recipe's ``check``: the replacement computes what the original does on ``inputs(original)``
+    (``same_output``: eval mode, dropout off). An original without values (meta or fake weights)
+    passes on the structure its recognise and build already checked."""
+    def check(original: nn.Module, new: nn.Module) -> Any:
+        if has_meta_weights(original):
+            return True
+        return same_output(original, new, *inputs(original))
+    return check
+
+
+def restore_children(new: nn.Module, original: nn.Module) -> None:
+    """A recipe's ``restore`` for a replacement that holds the original's submodules: each goes back
+    to the original (the current ones: an adapter put on since goes back too)."""
+    for name, child in new._modules.items():
+        original._modules[name] = child
+
+
 def sample(shape: tuple[int, ...], like: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """A deterministic standard-normal tensor on ``like``'s device and dtype (a check's input)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -347,5 +365,5 @@ def sample(shape: tuple[int, ...], like: torch.Tensor, seed: int = 0) -> torch.T
 
 
 __all__ = ["ORIGINAL", "CheckResult", "Options", "Recipe", "Skip", "Switched", "as_original_class", "compute_dtype",
-           "has_meta_weights", "is_replacement", "move_parameters", "restore_classes", "same_output", "same_submodules",
-           "sample", "switch_class", "tempo_class"]
+           "has_meta_weights", "is_replacement", "move_parameters", "output_check", "restore_children", "restore_classes",
+           "same_output", "same_submodules", "sample", "switch_class", "tempo_class"]
