@@ -21,7 +21,7 @@ from tempo.memory.fake import _RealWhereValuesMatter  # noqa: E402
 from tempo.movement.trace import CudaSemantics  # noqa: E402
 from tempo.plan.compose import compose, parts_from_traces, probe_layout  # noqa: E402
 from tempo.plan.probe import example_batch, fake_probe, structure_copy  # noqa: E402
-from tempo.plan.recompute import apply_recompute, transformer_blocks  # noqa: E402
+from tempo.integrations.recompute import apply_recompute, transformer_blocks  # noqa: E402
 from tempo.plan.trace import trace_step  # noqa: E402
 from tempo.utils import fake_parameters  # noqa: E402
 

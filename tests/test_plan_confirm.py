@@ -21,7 +21,7 @@ import tempo.plan as tp  # noqa: E402
 from tempo.integrations.patch import tempo_patched  # noqa: E402
 from tempo.plan.confirm import (ConfirmError, DefaultMeasure, Measurement, _loss, candidates_of,  # noqa: E402
                                 fixed_length_batches, optimizer_factory, run_probe_isolated)
-from tempo.plan.recompute import recompute_of, transformer_blocks  # noqa: E402
+from tempo.integrations.recompute import recompute_of, transformer_blocks  # noqa: E402
 from tempo.train.max_batch import ProbeError  # noqa: E402
 
 SEQ = 32

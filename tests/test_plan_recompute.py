@@ -1,4 +1,4 @@
-"""Per-block recompute (tempo.plan.recompute): every mode trains exactly, keeps what it says, and
+"""Per-block recompute (tempo.integrations.recompute): every mode trains exactly, keeps what it says, and
 leaves the model the model (issue 32: "every plan the planner can emit trains exactly")."""
 
 import contextlib
@@ -13,7 +13,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from tempo.integrations.patch import apply_tempo  # noqa: E402
-from tempo.plan.recompute import (apply_recompute, recompute_of, recomputed_parts, set_recompute,  # noqa: E402
+from tempo.integrations.recompute import (apply_recompute, recompute_of, recomputed_parts, set_recompute,  # noqa: E402
                                   transformer_blocks)
 from tempo.plan.trace import trace_step  # noqa: E402
 

@@ -1,5 +1,5 @@
 """revert_tempo undoes a recompute plan, set_recompute(block, "none") round-trips to the stock block,
-and a block under "full" recompute runs without a KV cache (tempo.plan.recompute)."""
+and a block under "full" recompute runs without a KV cache (tempo.integrations.recompute)."""
 
 import copy
 import functools
@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tempo.integrations.patch import apply_tempo, revert_tempo  # noqa: E402
-from tempo.plan.recompute import (MODES, RecomputedBlock, apply_recompute, recompute_of, remove_recompute,  # noqa: E402
+from tempo.integrations.recompute import (MODES, RecomputedBlock, apply_recompute, recompute_of, remove_recompute,  # noqa: E402
                                   set_recompute, transformer_blocks)
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",

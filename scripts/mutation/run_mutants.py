@@ -43,7 +43,7 @@ INTEGRATION = ["test_patch.py", "test_encoders.py", "test_stock_parity.py", "tes
                "test_host_reads.py", "test_exactness.py"]
 FIRST = {
     "tempo/plan/confirm.py": ["test_plan_confirm.py"],
-    "tempo/plan/recompute.py": ["test_plan_recompute.py", "test_plan.py"],
+    "tempo/integrations/recompute.py": ["test_plan_recompute.py", "test_plan.py"],
     "tempo/plan/planner.py": ["test_plan.py", "test_token_budget.py", "test_plan_confirm.py", "test_demo.py"],
     "tempo/ops/rmsnorm.py": ["test_rmsnorm.py", "test_stock_parity.py", "test_compile_graphs.py", "test_dtype_swaps.py"],
     "tempo/integrations/recipe.py": ["test_dtype_swaps.py", "test_patch.py", "test_gated_mlp.py", "test_rmsnorm.py"],

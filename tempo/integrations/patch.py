@@ -470,7 +470,7 @@ def revert_tempo(model: nn.Module) -> nn.Module:
     Puts back every module apply_tempo replaced (the same objects), every class it switched and
     every config object, and takes off every per-block recompute (``tempo.plan``'s ``Plan.apply``,
     ``apply_recompute``, ``set_recompute``; with or without apply_tempo, before or after it:
-    ``tempo.plan.recompute.remove_recompute``). Afterwards every module has the class it had
+    ``tempo.integrations.recompute.remove_recompute``). Afterwards every module has the class it had
     before Tempo, no recompute mode in its ``__dict__`` and no hook Tempo registered, and a
     training step runs each block's forward once: the stock model's loss and gradients."""
     if not isinstance(model, nn.Module):
@@ -502,7 +502,7 @@ def revert_tempo(model: nn.Module) -> nn.Module:
             logger.info("revert_tempo: %s has its original config object%s back", type(model).__name__,
                         "s" if len(configs_of(model)) > 1 else "")
     # After the modules are back: a hook set before apply_tempo on a module it replaced is back too.
-    from tempo.plan.recompute import remove_recompute
+    from tempo.integrations.recompute import remove_recompute
 
     recomputed = remove_recompute(model)
     if recomputed:

@@ -7,7 +7,7 @@
 from tempo.plan.budget import DEVICES, PlanError, parse_budget, resolve_device
 from tempo.plan.confirm import ConfirmError, Confirmation, confirm, fixed_length_batches
 from tempo.plan.planner import Candidate, Counted, PeakParts, Plan, choose, count, plan, tokens_per_step
-from tempo.plan.recompute import apply_recompute, recompute_of, set_recompute, transformer_blocks
+from tempo.integrations.recompute import apply_recompute, recompute_of, set_recompute, transformer_blocks
 
 __all__ = ["DEVICES", "Candidate", "ConfirmError", "Confirmation", "Counted", "PeakParts", "Plan", "PlanError",
            "apply_recompute", "choose", "confirm", "count", "fixed_length_batches", "parse_budget", "plan",

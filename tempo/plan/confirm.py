@@ -79,7 +79,7 @@ from torch import nn
 from tempo.choices import PRECISIONS
 from tempo.plan.budget import PlanError, parse_budget
 from tempo.plan.planner import TOKEN_ROUNDING, Counted, Plan
-from tempo.plan.recompute import MODES
+from tempo.integrations.recompute import MODES
 from tempo.train.max_batch import ProbeError, is_oom_error
 from tempo.train.step import TrainStep
 from tempo.utils import format_bytes

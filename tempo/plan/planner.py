@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tempo.plan.budget import Device, PlanError, parse_budget, resolve_device
 from tempo.plan.compose import Composition, compose, parts_from_traces, probe_layout, step_seconds
 from tempo.plan.probe import example_batch, fake_probe, max_positions, structure_copy
-from tempo.plan.recompute import MODES, apply_recompute, recomputed_parts, transformer_blocks
+from tempo.integrations.recompute import MODES, apply_recompute, recomputed_parts, transformer_blocks
 from tempo.plan.states import OPTIMIZERS, optimizer_memory
 from tempo.plan.trace import default_loss, trace_step
 from tempo.utils import format_bytes

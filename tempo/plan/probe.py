@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from tempo.plan.recompute import set_recompute, transformer_blocks
+from tempo.integrations.recompute import set_recompute, transformer_blocks
 from tempo.utils import fake_parameters
 
 
