@@ -36,6 +36,7 @@ PRE, POST = "pre", "post"
 LATEST = "latest"  # in a freeing: the later of two places
 FUSED = "fused"  # Part.kernels[(FUSED, phase)]: the segment's kernels as torch.compile would fuse them
 BEFORE_LAST = "before the last"  # the parts key of the freeing of the output a model's last block takes
+FIRST = "first"  # parts[(FIRST, next mode)]: the model's own first block, in mode "none"
 
 
 @dataclass(frozen=True)
@@ -155,10 +156,15 @@ def parts_from_traces(trace1: StepTrace, t1: float, trace2: StepTrace, t2: float
     ``layout``) of two traces of the same truncated model, ``layout`` its blocks' modes, at ``t1`` and
     ``t2`` tokens. A block's template depends on the next block's mode because the next block decides
     how long the block's output lives (a checkpointed block keeps its input until its backward; a
-    plain one may keep only a cast copy of it)."""
+    plain one may keep only a cast copy of it). The probe's first block is the model's first block
+    (``layout[0]`` is "none"): ``(FIRST, next mode)`` is it, for a model whose first block is plain;
+    a first block may keep other tensors than the rest (ModernBERT's has no attention norm: it keeps
+    its input, not a norm's output)."""
     k = trace1.blocks
     if len(layout) != k or trace2.blocks != k:
         raise ValueError(f"parts_from_traces: layout {list(layout)} for traces of {trace1.blocks} and {trace2.blocks} blocks")
+    if layout[0] != "none" or (k > 1 and layout[1] != "none"):  # (FIRST, m) is a plain first block before a plain one
+        raise ValueError(f"parts_from_traces: the probe's first two blocks must be plain, got {list(layout)}")
     owners: dict = {PRE: 0, POST: k + 1}
     for position in range(2, k + 1):  # a block with a block before it: the template of (its mode, the next's)
         following = layout[position] if position < k else POST
@@ -174,12 +180,16 @@ def parts_from_traces(trace1: StepTrace, t1: float, trace2: StepTrace, t2: float
     # output as a block of its mode takes a block's.
     before_last = _owner_part(trace1, trace2, t1, t2, k - 1, k)
     parts[BEFORE_LAST] = _output_freeing(before_last)
+    first = _owner_part(trace1, trace2, t1, t2, 1, k)  # followed by a plain block
     modes = sorted({key[0] for key in parts if isinstance(key, tuple)})
     for mode in modes:
         if (mode, POST) not in parts:
             parts[(mode, POST)] = parts[(mode, "none")].consumed_by(_output_freeing(parts[("none", POST)]),
                                                                       (mode, POST))
         parts[(PRE, mode)] = parts[PRE].consumed_by(_output_freeing(parts[("none", mode)]), (PRE, mode))
+    for following in (*modes, POST):
+        parts[(FIRST, following)] = first.consumed_by(_output_freeing(parts[("none", following)]),
+                                                      (FIRST, following))
     return parts
 
 
@@ -343,8 +353,8 @@ def compose(parts: dict[str, Part], modes: Sequence[str]) -> Composition:
         key = (mode, modes[i] if i < L else POST)
         if key not in parts:
             raise KeyError(f"tempo.plan: no template for a {mode!r} block followed by a {key[1]!r} one; traced: "
-                           f"{sorted(k for k in parts if isinstance(k, tuple) and k[0] != PRE)}")
-        part = parts[key]
+                           f"{sorted(k for k in parts if isinstance(k, tuple) and k[0] not in (PRE, FIRST))}")
+        part = parts[(FIRST, key[1])] if i == 1 and mode == "none" else parts[key]
         if i == L - 1:  # the last block's input: the model's code may hold it longer (parts_from_traces)
             part = part.consumed_by(parts[BEFORE_LAST], key)
         place(part, i)

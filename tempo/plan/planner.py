@@ -9,7 +9,9 @@ How (everything on fake tensors: no GPU, no real memory):
   1. a fake copy of the model with Tempo's layers (``apply_tempo``) and a dozen Transformer blocks
      whose recompute modes hold every ordered pair of modes once (tempo.plan.probe, probe_layout),
      runs one training step at two token counts under a memory timeline (tempo.plan.trace), on the
-     device's semantics (a GPU's autocast, dropout and fused attention, or the CPU's reference paths);
+     device's semantics (a GPU's autocast, dropout and fused attention, or the CPU's reference paths),
+     with the attention mask of a padded batch for a padded model of several lengths
+     (tempo.plan.probe.example_batch);
   2. the step of the whole model, with any recompute per block, is composed from those parts
      (tempo.plan.compose): the activation peak is a maximum of affine functions of the tokens t;
   3. weights, gradients (in the composition), optimizer states and the optimizer step's
@@ -27,8 +29,9 @@ linear in its real tokens whatever their lengths, so the plan is a token budget 
 and the batch per length bucket follows. A model that cannot take padding-free batches is planned at
 its padded length (the longest of ``lengths``).
 
-Every time is a projection, labelled as such; the peak is a prediction that tests hold to PyTorch's
-own tracker (MemTracker) within 5 % and never below it.
+Every time is a projection, labelled as such; the peak is a prediction that tests hold within
+[1, 1.05] of the live storages of a real CPU step (tests/test_plan_band.py) and of PyTorch's own
+tracker (MemTracker, tests/test_plan.py).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tempo.plan.budget import Device, PlanError, parse_budget, resolve_device
 from tempo.plan.compose import Composition, compose, parts_from_traces, probe_layout, step_seconds
-from tempo.plan.probe import example_batch, fake_probe, max_positions, structure_copy
+from tempo.plan.probe import example_batch, fake_probe, max_positions, structure_copy, takes_attention_mask
 from tempo.integrations.recompute import MODES, apply_recompute, recomputed_parts, transformer_blocks
 from tempo.plan.states import OPTIMIZERS, optimizer_memory
 from tempo.plan.trace import default_loss, trace_step
@@ -213,9 +216,13 @@ def _uses_tempo_attention(model: nn.Module) -> bool:
 
 
 def _takes_padding_free(model: nn.Module) -> bool:
-    """Padding-free batches (packed real tokens) keep every sequence apart in this (patched) model:
-    Tempo's efficient attention reads the packing (tempo.integrations.hf_attention), DeBERTa's O(s)
-    attention through its packing hooks; and the head is per token (or none)."""
+    """Padding-free batches (packed real tokens) keep every sequence apart in this (patched) model,
+    in bytes linear in the real tokens: Tempo's efficient attention reads the packing
+    (tempo.integrations.hf_attention), DeBERTa's O(s) attention through its packing hooks; and the
+    head is per token (or none). Not a model with sliding-window layers (ModernBERT's local
+    attention): transformers builds a packed row's window as a dense [1, 1, T, T] mask (and int64
+    distances of that size), O(T²) in the step's tokens; padded to its length it is planned exactly."""
+    from tempo.integrations.attention_switch import configs_of
     from tempo.integrations.recipe import tempo_class
 
     name = type(model).__name__
@@ -225,6 +232,8 @@ def _takes_padding_free(model: nn.Module) -> bool:
         return False
     if any(tempo_class(m).__name__ == "DebertaEfficientAttention" for m in model.modules()):
         return True
+    if any("sliding_attention" in (getattr(c, "layer_types", None) or ()) for c in configs_of(model)):
+        return False
     return _uses_tempo_attention(model)
 
 
@@ -429,8 +438,10 @@ def count(model: nn.Module, lengths: Union[int, Sequence[int]] = 512, device: st
         say(f"tracing a step of {len(layout)} blocks at {batch * seq_len} tokens (fake tensors)")
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         probe, blocks, _depth = fake_probe(model, layout, mode, prepare)
-        traces.append(trace_step(probe, blocks, example_batch(probe, batch, seq_len), mode, semantics=target.semantics,
-                                 autocast_dtype=autocast, loss_fn=loss, round_to=target.round_to))
+        padded = not unpadding and np.unique(sample).size > 1 and takes_attention_mask(probe)  # its masks
+        traces.append(trace_step(probe, blocks, example_batch(probe, batch, seq_len, padded), mode,
+                                 semantics=target.semantics, autocast_dtype=autocast, loss_fn=loss,
+                                 round_to=target.round_to))
     kernel_target = None
     gpu = None
     if target.projection is not None:

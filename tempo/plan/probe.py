@@ -3,14 +3,17 @@
 ``fake_probe(model, layout, mode)`` copies the model's structure without its data (every
 parameter and buffer becomes a meta tensor in the copy, then a fake one of ``mode``: nothing is
 allocated, the user's model is not touched), keeps ``len(layout)`` Transformer blocks (the first
-ones; more made by copying the first when the model has fewer), and gives block i recompute
-``layout[i]``. What it allocates per block is what every block of the real model allocates
-(identical repeated layers), so a short probe stands for the whole model (tempo.plan.compose).
+ones; when the model has fewer, copies of its blocks after the first, in turn: a first block can
+differ from the rest, as ModernBERT's, which has no attention norm and so keeps its input for
+backward), and gives block i recompute ``layout[i]``. What it allocates per block is what every
+block of the real model allocates (identical repeated layers), so a short probe stands for the whole
+model (tempo.plan.compose).
 
 ``example_batch`` makes the inputs a step feeds such a model: token ids (no padding: the plan counts
 real tokens; padded models are counted at their padded length), and the labels its head's loss takes
 (masked-LM / pretraining / token classification / causal LM: per token; sequence classification and
-question answering: per sequence; BERT pretraining's next-sentence label).
+question answering: per sequence; BERT pretraining's next-sentence label). A padded model of
+several lengths gets the ``attention_mask`` of a padded batch (``padded``): it builds masks from it.
 """
 
 from __future__ import annotations
@@ -40,15 +43,22 @@ def structure_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _shorten_config(model: nn.Module, blocks: int) -> None:
+def probe_sources(depth: int, blocks: int) -> list[int]:
+    """For each of the probe's ``blocks`` blocks, the model's block (of ``depth``) it is or copies:
+    the first ``depth`` are the model's own, the rest copy its blocks after the first in turn (the
+    first alone when it is the only one)."""
+    return [i if i < depth else 1 + (i - 1) % (depth - 1) if depth > 1 else 0 for i in range(blocks)]
+
+
+def _shorten_config(model: nn.Module, sources: list[int]) -> None:
     for module in model.modules():
         config = module.__dict__.get("config")
         if config is None or not hasattr(config, "num_hidden_layers"):
             continue
-        config.num_hidden_layers = blocks
+        config.num_hidden_layers = len(sources)
         layer_types = getattr(config, "layer_types", None)
         if isinstance(layer_types, (list, tuple)) and layer_types:
-            config.layer_types = [layer_types[i % len(layer_types)] for i in range(blocks)]
+            config.layer_types = [layer_types[i % len(layer_types)] for i in sources]
 
 
 def fake_probe(model: nn.Module, layout: Sequence[str], mode: Any,
@@ -60,11 +70,12 @@ def fake_probe(model: nn.Module, layout: Sequence[str], mode: Any,
         prepare(probe)
     blocks = transformer_blocks(probe)
     depth = len(blocks)
-    kept = [blocks[i] if i < depth else structure_copy(blocks[0]) for i in range(len(layout))]
+    sources = probe_sources(depth, len(layout))
+    kept = [blocks[i] if i == j else structure_copy(blocks[j]) for i, j in enumerate(sources)]
     blocks._modules.clear()
     for i, block in enumerate(kept):
         blocks._modules[str(i)] = block
-    _shorten_config(probe, len(layout))
+    _shorten_config(probe, sources)
     fake_parameters(probe, mode)
     for block, recompute in zip(kept, layout):
         set_recompute(block, recompute)
@@ -97,13 +108,24 @@ def _has_head(name: str) -> bool:
     return "For" in name or "Head" in name
 
 
-def example_batch(model: nn.Module, batch: int, seq_len: int) -> dict[str, torch.Tensor]:
-    """Inputs of one step of ``model`` (module docstring); real tensors (small: ids and labels)."""
+def takes_attention_mask(model: nn.Module) -> bool:
+    """Whether ``model``'s forward takes an ``attention_mask`` (``example_batch(padded=True)``)."""
+    return _accepts(model, "attention_mask")
+
+
+def example_batch(model: nn.Module, batch: int, seq_len: int, padded: bool = False) -> dict[str, torch.Tensor]:
+    """Inputs of one step of ``model`` (module docstring); real tensors (small: ids and labels).
+    ``padded``: with the ``attention_mask`` of a padded batch of sequences of several lengths (each
+    row's last token padding): a model builds its masks from it ([batch, 1, s, s] where a mask of
+    ones builds none, or one for every row)."""
+    name = type(model).__name__
+    if padded and (seq_len < 2 or not takes_attention_mask(model)):
+        raise ValueError(f"example_batch: a padded batch needs seq_len >= 2 and a model that takes an "
+                         f"attention_mask; {name} at seq_len {seq_len}")
     generator = torch.Generator().manual_seed(0)
     vocab = vocabulary_size(model)
     ids = torch.randint(min(3, vocab - 1), vocab, (batch, seq_len), generator=generator)
     inputs: dict[str, torch.Tensor] = {"input_ids": ids}
-    name = type(model).__name__
     per_sequence = name.endswith(("ForSequenceClassification", "ForMultipleChoice"))
     if name.endswith("ForQuestionAnswering"):
         inputs["start_positions"] = torch.zeros(batch, dtype=torch.long)
@@ -122,6 +144,9 @@ def example_batch(model: nn.Module, batch: int, seq_len: int) -> dict[str, torch
         inputs.pop("labels", None)
     if any(getattr(m, "unpad", False) is True for m in model.modules()):
         inputs["attention_mask"] = torch.ones_like(ids)  # tempo.bert unpads only with a mask: every token real
+    if padded:
+        inputs["attention_mask"] = torch.ones_like(ids)
+        inputs["attention_mask"][:, -1] = 0
     return inputs
 
 
@@ -140,4 +165,5 @@ def max_positions(model: nn.Module) -> Optional[int]:
     return limit
 
 
-__all__ = ["example_batch", "fake_probe", "max_positions", "structure_copy", "vocabulary_size"]
+__all__ = ["example_batch", "fake_probe", "max_positions", "probe_sources", "structure_copy", "takes_attention_mask",
+           "vocabulary_size"]

@@ -6,7 +6,10 @@ forward and in backward. ``trace_step`` runs one training step of a model on fak
 (``FakeTensorMode``: shapes and dtypes exact, no data, no FLOP) under a dispatch mode that
   * records every new storage an op makes (bytes, rounded as the CUDA caching allocator rounds
     them when counting for a GPU: 512-byte blocks) and, through a weak reference to the storage,
-    the moment it is freed (the segment running then);
+    the moment it is freed (the segment running then). An output that shares an input's storage
+    (a view or an in-place result: ``t`` of a weight in ``linear``, ``view`` of the labels) is no
+    allocation: a storage the timeline has not seen made is one that existed before the step
+    (weights, inputs), which the planner counts itself or not at all;
   * keeps the live bytes and the peak of each segment;
   * records the ops themselves (tempo.movement's Recorder: FLOPs and bytes moved, for the time).
 Segments are marked by hooks on the blocks (forward pre-hooks; backward pre-hooks and the first
@@ -92,7 +95,8 @@ class MemoryTimeline(Recorder):
         self.segments: dict[Segment, SegmentRecord] = {}
         self.segment: Segment = ("fwd", 0)
         self.live = 0
-        self._known: "weakref.WeakKeyDictionary[Any, Allocation]" = weakref.WeakKeyDictionary()
+        # storage -> its Allocation; None: a storage from before the step (never counted)
+        self._known: "weakref.WeakKeyDictionary[Any, Optional[Allocation]]" = weakref.WeakKeyDictionary()
         self._ids: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # storage -> its id
         self._next_id = 0
         self._refs: list[Any] = []
@@ -129,7 +133,7 @@ class MemoryTimeline(Recorder):
         if allocation.made == self.segment:
             self.segments[self.segment].own -= allocation.nbytes
 
-    def _track(self, out: Any) -> None:
+    def _track(self, out: Any, inputs: set[int]) -> None:
         allocated = False
         for t in pytree.tree_leaves(out):
             if not isinstance(t, Tensor) or t.is_nested:
@@ -139,6 +143,9 @@ class MemoryTimeline(Recorder):
             except (RuntimeError, NotImplementedError):
                 continue
             if storage in self._known:
+                continue
+            if id(storage) in inputs:  # an input's storage the step did not make: it existed before
+                self._known[storage] = None
                 continue
             allocation = Allocation(self._rounded(storage.nbytes()), self.segment)
             self._known[storage] = allocation
@@ -174,9 +181,21 @@ class MemoryTimeline(Recorder):
         record.flows.append((flow(reads, call.reads), flow(writes, call.writes)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = _storages(pytree.tree_leaves((args, kwargs)))  # held: their ids stay theirs during the op
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        self._track(out)
+        self._track(out, {id(s) for s in inputs})
         return out
+
+
+def _storages(leaves: list) -> list:
+    out = []
+    for t in leaves:
+        if isinstance(t, Tensor) and not t.is_nested:
+            try:
+                out.append(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):  # a subclass without a storage
+                pass
+    return out
 
 
 @contextlib.contextmanager
