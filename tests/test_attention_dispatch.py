@@ -420,7 +420,7 @@ def test_attn_bias_without_a_backward_merges_into_stock_sdpas_mask(h100):
     q, k, v = _qkv(torch.float32, s=16, d=16, grad=False)
     bias = torch.randn(1, 2, 16, 16)
     valid = _padding_mask(2, 16, "bool", torch.float32)
-    out = efficient_attention(q, k, v, attn_mask=valid, attn_bias=bias)
+    out = efficient_attention(q, k, v, attn_mask=valid, attn_bias=bias, training=False)
     merged = h100.calls[0]["mask"]
     assert merged.shape == (2, 2, 16, 16) and torch.isinf(merged[1, :, :, 8:]).all()
     with sdpa_kernel([MATH]):
@@ -490,19 +490,19 @@ def test_grouped_query_heads_need_enable_gqa_and_a_divisor():
 
 def test_no_backward_on_cuda_offers_math_after_the_fused_kernels(h100, caplog):
     q, k, v = _qkv(torch.float64, grad=False)
-    efficient_attention(q, k, v)  # fp64: no fused kernel, the stock math one
+    efficient_attention(q, k, v, training=False)  # fp64: no fused kernel, the stock math one
     assert h100.calls[-1]["enabled"] == [MATH]
     mask = _padding_mask(2, 64, "bool", torch.float32)
-    efficient_attention(*_qkv(torch.bfloat16, grad=False), attn_mask=mask)
+    efficient_attention(*_qkv(torch.bfloat16, grad=False), attn_mask=mask, training=False)
     assert h100.calls[-1]["enabled"] == [EFFICIENT, MATH] and h100.calls[-1]["chosen"] == EFFICIENT
-    # With dropout, the backends a backward would get (no math): a no-grad forward replayed with
+    # Training mode, the backends a backward would get (no math): a no-grad forward replayed with
     # grad from the same RNG state (GradCache) must run the same kernel to draw the same mask.
     efficient_attention(*_qkv(torch.bfloat16, grad=False), attn_mask=mask, dropout_p=0.1)
     with_grad = efficient_attention(*_qkv(torch.bfloat16), attn_mask=mask, dropout_p=0.1)
     assert h100.calls[-1]["enabled"] == h100.calls[-2]["enabled"] == [EFFICIENT] and with_grad.requires_grad
     torch.backends.cuda.enable_math_sdp(False)
     with caplog.at_level(logging.WARNING, logger="tempo"), torch.no_grad():
-        efficient_attention(*_qkv(torch.float64))
+        efficient_attention(*_qkv(torch.float64), training=False)
     assert len(h100.calls) == 4 and "math is disabled" in _fallback_logs(caplog)[0]
 
 
@@ -592,7 +592,8 @@ def test_no_backward_compiles_to_stock_sdpa_on_the_cpu():
         graphs.append(gm)
         return gm.forward
 
-    fn = torch.compile(lambda q, k, v: efficient_attention(q, k, v, attn_mask=mask), backend=backend, fullgraph=True)
+    fn = torch.compile(lambda q, k, v: efficient_attention(q, k, v, attn_mask=mask, training=False), backend=backend,
+                       fullgraph=True)
     out = fn(q, k, v)
     targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
     assert any("scaled_dot_product_attention" in t for t in targets), targets
@@ -624,11 +625,15 @@ def test_no_backward_matches_the_tempo_op_and_keeps_nothing(monkeypatch, dtype, 
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or _REAL_SDPA(*a, **kw))
     with ActivationLedger() as led:
         stock = efficient_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=0.3, training=False)
-        with torch.no_grad():  # the module in training mode under no_grad: same
-            stock_ng = efficient_attention(*(t.requires_grad_() for t in (q, k, v)), attn_mask=mask, is_causal=causal)
+        with torch.no_grad():  # eval mode under no_grad: same
+            stock_ng = efficient_attention(*(t.requires_grad_() for t in (q, k, v)), attn_mask=mask, is_causal=causal,
+                                           training=False)
     assert len(calls) == 2 and led.activation_bytes == 0 and led.records == []
     tempo = efficient_attention(q, k, v, attn_mask=mask, is_causal=causal)  # q, k, v require grad now
     assert len(calls) == 2 and tempo.grad_fn is not None
+    with torch.no_grad(), ActivationLedger() as led:  # training mode under no_grad: the Tempo op's bits
+        replay = efficient_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    assert len(calls) == 2 and led.records == [] and torch.equal(replay, tempo.detach())
     tol = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
     for out in (stock, stock_ng):
         assert out.dtype == dtype and not out.isnan().any()

@@ -132,7 +132,7 @@ def test_no_backward_runs_stock_sdpa_per_sequence_and_agrees(monkeypatch):
     real = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.no_grad():
-        out = efficient_attention_varlen(q, k, v, cu, 130)
+        out = efficient_attention_varlen(q, k, v, cu, 130, training=False)
     assert len(calls) == 4  # one per non-empty sequence
     monkeypatch.setattr(F, "scaled_dot_product_attention", real)
     ref = efficient_attention_varlen(q.requires_grad_(), k, v, cu, 130)
@@ -263,7 +263,7 @@ def test_cuda_no_backward_without_a_nested_kernel_runs_dense_sdpa_per_sequence(h
     """fp16 head dim 12 without a backward: no nested kernel, so stock dense sdpa on each sequence
     (where flash pads the head dim), never nested math."""
     q, k, v, cu = packed([3, 9], h=2, d=12, dtype=torch.float16, grad=False)
-    out = efficient_attention_varlen(q, k, v, cu, 9)
+    out = efficient_attention_varlen(q, k, v, cu, 9, training=False)
     assert [c["nested"] for c in h100.calls] == [False, False]
     assert all(c["chosen"] == FLASH and MATH in c["enabled"] for c in h100.calls)
     ref = efficient_attention_varlen(q.float().requires_grad_(), k.float(), v.float(), cu, 9)  # fp32: nested
@@ -278,7 +278,7 @@ def test_cuda_causal_without_a_fused_kernel_runs_per_sequence(h100):
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
-        out = efficient_attention_varlen(q, k, v, cu, 9, is_causal=True)
+        out = efficient_attention_varlen(q, k, v, cu, 9, is_causal=True, training=False)
     finally:
         for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp,
                        torch.backends.cuda.enable_cudnn_sdp):
@@ -293,7 +293,7 @@ def test_cuda_empty_sequence_never_goes_to_nested_kernels(h100, grad):
     """torch's nested flash and efficient refuse a sequence of length 0 (and math is never
     offered): the reference op with a backward, dense sdpa per sequence without one."""
     q, k, v, cu = packed([3, 0, 9], h=2, d=64, dtype=torch.float16, grad=grad)
-    out = efficient_attention_varlen(q, k, v, cu, 9)
+    out = efficient_attention_varlen(q, k, v, cu, 9, training=False)
     assert all(not c["nested"] for c in h100.calls) and len(h100.calls) == (0 if grad else 2)
     assert out.shape == (12, 2, 64)
 

@@ -470,8 +470,9 @@ def test_without_a_backward_it_is_f_gelu_and_keeps_nothing(monkeypatch, backend,
 
     monkeypatch.setattr(gelu_ops, "_gelu_op", tempo_op)
     module = torch.nn.Sequential(torch.nn.Linear(16, 32), InplaceGelu(approximate)).to(device)
-    if mode == "eval_under_no_grad":
-        module.eval()
+    # Eval mode: in training mode the Tempo op runs without a backward too, so that a no-grad pass
+    # gives the bits of the pass with grad (tests/test_nograd_equals_grad.py).
+    module.eval()
     x = torch.randn(3, 16, device=device, requires_grad=True)
     with _no_backward(mode):
         hidden = module[0](x).detach() if mode == "input_without_grad" else module[0](x)

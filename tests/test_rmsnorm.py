@@ -501,7 +501,8 @@ def test_without_a_backward_it_runs_the_stock_computation_and_keeps_nothing(devi
     calls = []
     original = torch.ops.tempo.rmsnorm_fwd
     monkeypatch.setattr(torch.ops.tempo, "rmsnorm_fwd", lambda *a: calls.append(a) or original(*a))
-    module = module_with(adversarial_weight(16, True, torch.float32, device), True, "input", device)
+    # Eval mode: in training mode the Triton path (CUDA) runs its forward without a backward too.
+    module = module_with(adversarial_weight(16, True, torch.float32, device), True, "input", device).eval()
     x = torch.randn(4, 16, device=device)
     expected = stock_rmsnorm(x, module.weight.detach(), True)
     if mode == "frozen":

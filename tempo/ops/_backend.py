@@ -165,12 +165,24 @@ def autocast_dtype_for(t: torch.Tensor) -> torch.dtype | None:
 
 def needs_backward(*tensors: Optional[torch.Tensor]) -> bool:
     """True when an output computed from ``tensors`` can reach a backward pass: grad mode is on
-    and one of them requires grad. When it is False a Tempo layer has nothing to keep, and runs
-    the fastest stock computation instead (eval, ``torch.no_grad()``, ``torch.inference_mode()``).
+    and one of them requires grad. When it is False a Tempo layer has nothing to keep
+    (``runs_own_forward`` says which computation it runs then).
     Traceable: torch.compile guards on grad mode and ``requires_grad``."""
     if not torch.is_grad_enabled():
         return False
     return any(t is not None and t.requires_grad for t in tensors)
+
+
+def runs_own_forward(training: bool, *tensors: Optional[torch.Tensor]) -> bool:
+    """True when a Tempo layer runs its own forward (the one its backward path runs), False when it
+    runs the stock op. In training mode it always runs its own: a training-mode output never depends
+    on grad mode or ``requires_grad``, so every pass of one training forward computes the same bits
+    (reentrant checkpointing's no-grad first pass and its recompute with grad, GradCache's two
+    passes, a frozen block with and without checkpointing). Without a backward it keeps nothing
+    either way. In eval mode without a backward (``needs_backward`` False: inference, validation)
+    the stock op runs, which costs nothing; eval mode with a backward runs the layer's own forward,
+    so there a no-grad pass and a pass with grad may differ by rounding."""
+    return training or needs_backward(*tensors)
 
 
 def in_launch_guard() -> bool:

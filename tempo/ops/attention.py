@@ -12,16 +12,20 @@ same with one fp32 log-sum-exp per row.
 
 Paths
   * No backward (grad mode off, or nothing among q, k, v, attn_mask requires grad: eval,
-    ``torch.no_grad()``, ``torch.inference_mode()``, frozen layers) and no dropout (eval, or
-    ``dropout_p == 0``): nothing is kept, so the stock ``F.scaled_dot_product_attention`` runs,
+    ``torch.no_grad()``, ``torch.inference_mode()``, frozen layers) in eval mode
+    (``training=False``): nothing is kept, so the stock ``F.scaled_dot_product_attention`` runs,
     same semantics (sdpa gives 0 for fully masked rows too): on the CPU as it is; on CUDA with the
     backends of the CUDA dispatch below plus the math one (it materialises s×s scores, for the
     length of the call only). Whatever ``use_backend`` says, as every Tempo layer.
-    With dropout the path is the one a backward would take, backward or not: a no-grad forward
-    replayed with grad from the same RNG state (GradCache, sentence-transformers'
-    CachedMultipleNegativesRankingLoss) then draws the same mask both times (the reference op
+    In training mode the path is the one a backward would take, backward or not
+    (``runs_own_forward``): a no-grad forward replayed with grad (reentrant checkpointing's first
+    pass and its recompute; GradCache, sentence-transformers' CachedMultipleNegativesRankingLoss)
+    then computes the same bits and, with dropout, draws the same mask both times (the reference op
     from its seed, a fused CUDA kernel from the same generator state); autograd keeps nothing
-    under no_grad either way.
+    under no_grad either way. Stock sdpa rounds otherwise than the reference op (measured on
+    MiniLM: up to 7.7e-7 fp32, 7.8e-3 under bf16 autocast), and on the CPU the reference op costs
+    1.2x its time at s = 128 and 2-3x at s = 512 (fp32, one thread), a price only training-mode
+    passes pay, as their recompute with grad does.
   * CUDA with a backward (backend "auto" or "triton"): PyTorch's fused sdpa kernels, chosen here
     (next section); sdpa's own autograd keeps the same kind of O(s) state (q, k, v, out, lse,
     philox seed/offset, the mask). There is no Triton kernel of ours: without a measurement
@@ -171,8 +175,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from tempo.ops._backend import (check_float_tensor, check_probability, held_dropout, needs_backward,
-                                requested_backend)
+from tempo.ops._backend import (check_float_tensor, check_probability, held_dropout, requested_backend,
+                                runs_own_forward)
 
 _OP = "efficient_attention"
 # Tile sizes of the reference path. They fix the layout of the dropout mask's random stream, so
@@ -870,8 +874,9 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
 
     Returns (b, h, s_q, d_v), stored as (b, s_q, h, d_v) when it keeps anything for backward.
     Pass ``training=self.training``. ``seed`` (0-d integer tensor, reference path only) fixes the
-    dropout mask; by default one is drawn from torch's RNG. Without a backward and without dropout
-    the stock sdpa runs and keeps nothing (see "Paths").
+    dropout mask; by default one is drawn from torch's RNG. Without a backward in eval mode
+    (``training=False``) the stock sdpa runs and keeps nothing (see "Paths"); in training mode the
+    backward's path runs, keeping nothing under no_grad.
 
     ``attn_bias``: a second additive term, scores = scale·q·kᵀ + attn_bias + attn_mask, for a
     learned bias shared by the batch (MPNet's relative positions: [1, heads, s_q, s_k]) beside a
@@ -916,9 +921,9 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
         # kept so (see the docstring).
         _log_expanded_once()
         k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
-    # requires_grad survives the autocast casts. Dropout takes the backward's path even without
-    # one: a replayed forward draws the same mask.
-    grad = needs_backward(q, k, v, attn_mask, attn_bias) or p > 0.0
+    # requires_grad survives the autocast casts. Training mode takes the backward's path even
+    # without one: a replayed forward computes the same bits and draws the same mask.
+    grad = runs_own_forward(training, q, k, v, attn_mask, attn_bias)
     seeded = seed is not None and p > 0.0  # a mask fixed by seed: only the reference op draws it
 
     if not grad and not seeded:  # nothing kept: k and v at the query heads, a transient
@@ -1217,11 +1222,11 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     make), else read once per cu_seqlens tensor and version (``sequence_facts``), not per layer.
     Under ``torch.compile(fullgraph=True)`` pass ``min_seqlen``: the cache lookup is not traced.
 
-    Paths: without a backward (eval, no_grad, frozen) and without dropout (with dropout the
-    backward's path runs, so a replayed forward draws the same mask) the stock sdpa runs on each
-    sequence (CPU) or on nested jagged tensors (CUDA) and keeps nothing. CUDA with a backward:
-    stock sdpa on nested jagged tensors, which runs the flash or efficient kernel with cu_seqlens,
-    offered and intersected with the user's switches as in ``efficient_attention``. Nested
+    Paths: without a backward (no_grad, frozen) in eval mode (in training mode the backward's path
+    runs, so a replayed forward computes the same bits and draws the same mask) the stock sdpa runs
+    on each sequence (CPU) or on nested jagged tensors (CUDA) and keeps nothing. CUDA with a
+    backward: stock sdpa on nested jagged tensors, which runs the flash or efficient kernel with
+    cu_seqlens, offered and intersected with the user's switches as in ``efficient_attention``. Nested
     tensors narrow the offer: flash only when q, k, v share a head dim that is a multiple of 8
     (torch pads it for dense inputs only, and refuses such nested inputs), neither kernel when a
     sequence is empty (torch refuses min_seqlen 0), never cuDNN, never math (it would keep L_b²
@@ -1245,7 +1250,7 @@ def efficient_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     scale = float(scale)
-    grad = needs_backward(q, k, v) or p > 0.0  # dropout: the backward's path, so a replay draws the same mask
+    grad = runs_own_forward(training, q, k, v)  # training: the backward's path, so a replay gives the same bits
     seeded = seed is not None and p > 0.0
 
     if _is_cuda(q) and not seeded and (not grad or requested_backend() != "reference"):

@@ -54,13 +54,14 @@ Semantics
         under bf16 autocast (out and dv as eager's). Keeping s in fp32 there would be exact as
         eager, for 2 more bytes per score.
   * No backward (grad mode off, or neither ``x`` nor ``v`` requires grad: eval of a frozen
-    model, ``torch.no_grad()``, ``torch.inference_mode()``) and no dropout (eval, or ``p == 0``):
+    model, ``torch.no_grad()``, ``torch.inference_mode()``) in eval mode (``training=False``):
     nothing is kept, so the stock ops run, ``matmul(aten._safe_softmax(x, dim), v)``, same
-    semantics (a row all -inf gives 0) and dtypes, whatever ``use_backend`` says. With dropout
-    this op runs with or without a backward: the mask must be the one a backward would draw, so
-    that a no-grad forward replayed with grad from the same RNG state (GradCache, sentence-
-    transformers' CachedMultipleNegativesRankingLoss, activation checkpointing's first pass)
-    draws the same mask both times. Autograd keeps nothing under no_grad either way.
+    semantics (a row all -inf gives 0) and dtypes, whatever ``use_backend`` says. In training mode
+    this op runs with or without a backward (``runs_own_forward``): the output must be the bits
+    and the mask the one a backward would compute and draw, so that a no-grad forward replayed
+    with grad (activation checkpointing's first pass and its recompute, GradCache, sentence-
+    transformers' CachedMultipleNegativesRankingLoss) gives the same both times (the Triton
+    softmax rounds otherwise than aten's). Autograd keeps nothing under no_grad either way.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ from tempo.ops._backend import (
     held_dropout,
     launch_on,
     log_fallback_once,
-    needs_backward,
     resolve_backend,
+    runs_own_forward,
 )
 
 try:  # CPU-only installs without triton still import this module (reference path only).
@@ -573,9 +574,10 @@ def combined_softmax_dropout_matmul(x: Tensor, v: Tensor, dim: int = -1, p: floa
     dim = _normalize_dim(dim, x.dim())
     training = bool(training)
     dropout = training and p > 0.0
-    # Dropout always draws its mask here, backward or not: a no-grad forward replayed with grad
-    # from the same RNG state (GradCache) must draw the same mask, and a given seed must be used.
-    stock = not dropout and not needs_backward(x, v)
+    # Training mode runs this op, backward or not: a no-grad forward replayed with grad from the
+    # same RNG state (GradCache, reentrant checkpointing) must compute the same bits and draw the
+    # same mask, and a given seed must be used.
+    stock = not runs_own_forward(training, x, v)
     if seed is None:
         seed = draw_seed(x.device) if dropout else torch.zeros((), dtype=torch.int64, device=x.device)
     else:

@@ -38,7 +38,11 @@ Semantics
     module then keeps the product, I more per token (Liger's 3·I).
   * No backward (grad mode off, or nothing requiring grad) and no dropout: the stock ops, keeping
     nothing. With dropout the op runs with or without a backward, so a no-grad forward replayed
-    with grad from the same RNG state (GradCache) draws the same mask both times.
+    with grad from the same RNG state (GradCache) draws the same mask both times. In training mode
+    (``training``; ``GatedMLP``: the module's mode) it runs on the Triton path without dropout too
+    (``runs_own_forward``): the kernels round otherwise than the stock ops (below; 3e-5 measured
+    on a bf16 Llama block), and a no-grad pass (reentrant checkpointing's first) must give the
+    bits its recompute with grad gives. The reference forward is the stock ops, bit for bit.
 
 Exactness. What backward recomputes is recomputed exactly: the same function on the same kept
 inputs with the same rounding, so the activation, the product and the dropout mask in backward are
@@ -80,8 +84,8 @@ from tempo.ops._backend import (
     check_probability,
     launch_on,
     log_fallback_once,
-    needs_backward,
     resolve_backend,
+    runs_own_forward,
 )
 from tempo.ops.dropout_add_layernorm import _reference_keep_mask, draw_seed
 
@@ -486,7 +490,9 @@ def _gated(h: Tensor, up: Optional[Tensor], gate_half: int, weight: Optional[Ten
     # Resolved whatever the grad mode: a refused request ('triton' on fp64) fails either way.
     backend = resolve_backend(h, op)
     dropout = training and p > 0.0
-    if not dropout and not needs_backward(h, up, weight, bias):
+    # In training mode the Triton path runs without a backward too (runs_own_forward); the
+    # reference forward gives the stock ops' bits, so those stand for it.
+    if not dropout and not runs_own_forward(training and backend == "triton", h, up, weight, bias):
         return _stock_forward(h, up, gate_half, weight, bias, activation)
     if seed is None:
         seed = draw_seed(h.device) if dropout else None
@@ -616,7 +622,7 @@ class GatedMLP(nn.Module):
         x = args[0] if args else next(iter(kwargs.values()))
         L, m = self.layout, self._modules
         drop = m[L.dropout] if L.dropout is not None else None
-        p, training = (float(drop.p), bool(drop.training)) if drop is not None else (0.0, False)
+        p, training = (float(drop.p), bool(drop.training)) if drop is not None else (0.0, self.training)
         if L.fused is not None:
             h, up, gate_half = m[L.fused](x), None, L.gate_half
         else:

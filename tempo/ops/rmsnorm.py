@@ -96,9 +96,12 @@ per element instead of 4), and backward first recomputes y from x with the forwa
 same kernel, the same kept-column plan: bitwise the forward's y), then runs the same backward. The
 recomputation is one element-wise pass; the gradients are those of the y-keeping op, bit for bit.
 
-No backward, no cost: when the output cannot reach a backward pass (grad mode off, or neither the
-input nor w requires grad) the op keeps nothing and runs the stock computation (the reference
-forward without its kept tensors), returned in the same dtype.
+No backward, nothing kept: when the output cannot reach a backward pass (grad mode off, or neither
+the input nor w requires grad) the op keeps nothing and runs the stock computation (the reference
+forward without its kept tensors), returned in the same dtype; except a module in training mode on
+the Triton path (``runs_own_forward``), which runs the Triton forward: its rounding differs from the
+stock computation's (up to 3.6e-7 measured on a Llama block) and a no-grad pass (reentrant
+checkpointing's first) must give the bits its recompute with grad gives.
 
 Rows longer than ``MAX_TRITON_N`` (16384, as the LayerNorm kernels) and dtypes the kernels do not
 take (fp64 input or weight) run on the reference path, which keeps exactly the same tensors; both
@@ -122,9 +125,9 @@ from tempo.ops._backend import (
     check_float_tensor,
     launch_on,
     log_fallback_once,
-    needs_backward,
     requested_backend,
     resolve_backend,
+    runs_own_forward,
 )
 from tempo.ops.layernorm import (
     _WIDE_CHUNK,
@@ -585,7 +588,11 @@ def _inplace_rmsnorm(x: Tensor, normalized_shape: _ShapeLike, weight: Optional[T
         raise TypeError(f"{OP_NAME}: argument 'out_dtype' must be a floating-point dtype, got {out_dtype}")
     dtype = out_dtype if out_dtype is not None else x.dtype
     n = math.prod(shape)
-    if not needs_backward(x, weight):
+    training = holder is not None and holder.training
+    # In training mode the Triton path runs without a backward too (runs_own_forward); the
+    # reference forward gives the stock computation's bits, so that stands for it.
+    own = training and resolve_rmsnorm_backend(x, weight, n) == "triton"
+    if not runs_own_forward(own, x, weight):
         # Nothing will be kept: the stock computation, in the dtype the Tempo path returns.
         with torch.autocast(x.device.type, enabled=False):
             y, _rstd, _xhat = _normalize(x.reshape(-1, n), weight.reshape(n) if weight is not None else None,
@@ -614,8 +621,9 @@ class InplaceRMSNorm(KeptColumnPlans):
 
     Precision: exact by construction for any weight (module docstring): a column's x̂ is either
     recovered from y within (u_D + 3u_c)·(|x̂| + 1) or kept. Non-finite weights raise in the forward,
-    naming the layer (``tempo_name``, set by ``name_layernorms``). Without a backward it runs the stock
-    computation and keeps nothing. Double backward is not supported.
+    naming the layer (``tempo_name``, set by ``name_layernorms``). Without a backward it keeps nothing
+    and runs the stock computation, except in training mode on the Triton path (module docstring).
+    Double backward is not supported.
     """
 
     def __init__(self, normalized_shape: _ShapeLike, eps: float = 1e-6, elementwise_affine: bool = True, *,
