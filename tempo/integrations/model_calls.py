@@ -16,11 +16,16 @@ installing and removing the hooks, and reading a call's arguments.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Iterable
+import weakref
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+
+
+_STACKS: "weakref.WeakSet[CallStack]" = weakref.WeakSet()  # every CallStack made: what a replay re-enters
 
 
 class CallStack:
@@ -28,6 +33,7 @@ class CallStack:
 
     def __init__(self) -> None:
         self._local = threading.local()
+        _STACKS.add(self)
 
     def _calls(self) -> list:
         calls = getattr(self._local, "calls", None)
@@ -50,6 +56,25 @@ class CallStack:
         calls = self._calls()
         if calls and calls[-1].owner is owner:
             calls.pop()
+
+
+def current_calls() -> list[tuple[CallStack, Any]]:
+    """The innermost call of every stack that has one, in this thread: what a layer run again
+    later (a block's recomputation in backward, after the model call has returned) must see."""
+    return [(stack, stack.current()) for stack in list(_STACKS) if stack.current() is not None]
+
+
+@contextlib.contextmanager
+def replayed(calls: list[tuple[CallStack, Any]]) -> Iterator[None]:
+    """Run the body inside ``calls`` (from ``current_calls``) again: each pushed on its stack, and
+    popped after, whatever happens."""
+    for stack, call in calls:
+        stack.push(call)
+    try:
+        yield
+    finally:
+        for stack, call in reversed(calls):
+            stack.pop(call.owner)
 
 
 def hooked(module: nn.Module, pre_hook: Callable[..., Any]) -> bool:
@@ -100,4 +125,4 @@ def mask_per_token(args: tuple, kwargs: dict, positions: dict[str, int]) -> bool
             and tuple(mask.shape) == tuple(ids.shape[:2]))
 
 
-__all__ = ["CallStack", "argument", "hooked", "install", "mask_per_token", "remove"]
+__all__ = ["CallStack", "argument", "current_calls", "hooked", "install", "mask_per_token", "remove", "replayed"]

@@ -66,7 +66,7 @@ class _Recompute:
 
     def __init__(self, module: nn.Module, source: Any, autocast: tuple) -> None:
         self.module, self.source, self.autocast, self.value = module, source, autocast, None
-        self.modes = _FunctionModes()
+        self.modes = _ForwardContext()
 
     def tensor(self) -> torch.Tensor:
         if self.value is None:
@@ -238,21 +238,30 @@ class RecomputedBlock(nn.Module):
 def _same_function_modes() -> tuple:
     """checkpoint's (forward, recompute) contexts: the recomputation runs under the torch function
     modes the forward ran under (the autograd engine does not carry them into backward; tempo.plan's
-    fake traces take CUDA's decisions through one)."""
-    return contextlib.nullcontext(), _FunctionModes()
+    fake traces take CUDA's decisions through one), and inside the model calls it ran inside: the
+    packing of a padding-free batch, which DeBERTa's and Tempo's attention layers read from the
+    call (``tempo.integrations.model_calls``), is gone by the time backward recomputes the block."""
+    return contextlib.nullcontext(), _ForwardContext()
 
 
-class _FunctionModes:
-    """Re-enters, innermost last, the torch function modes active where it was made."""
+class _ForwardContext:
+    """Re-enters, when backward recomputes, the torch function modes (innermost last) and the model
+    calls active where it was made."""
 
     def __init__(self) -> None:
+        from tempo.integrations import model_calls
+
         self.modes = list(torch.overrides._get_current_function_mode_stack())
+        self.calls = model_calls.current_calls()
         self._stack: Optional[contextlib.ExitStack] = None
 
-    def __enter__(self) -> "_FunctionModes":
+    def __enter__(self) -> "_ForwardContext":
+        from tempo.integrations import model_calls
+
         self._stack = contextlib.ExitStack()
         for mode in self.modes:
             self._stack.enter_context(mode)
+        self._stack.enter_context(model_calls.replayed(self.calls))
         return self
 
     def __exit__(self, *exc: Any) -> None:
