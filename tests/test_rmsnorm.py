@@ -768,10 +768,25 @@ def loss_and_grads(model):
     ids, mask = family_batch()
     model.zero_grad(set_to_none=True)
     hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    weight = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1)).to(hidden.dtype)
     loss = (hidden * weight * mask[..., None]).sum()
     loss.backward()
     return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_gradients_as_exact(grads_t, grads_s, exact):
+    """Each of Tempo's gradients within 1e-5 of the gradient's scale of the stock fp32 gradient, or no
+    farther from the fp64 gradient (``exact``) than 4x the stock model's own fp32 error: adversarial
+    norm weights make some gradients ill-conditioned, and two fp32 orders of summation then differ
+    by more than 1e-5 (EmbeddingGemma 2's k_proj: 1.5e-5)."""
+    for key in grads_s:
+        scale = max(float(grads_s[key].abs().max()), 1e-6)
+        err = float((grads_t[key] - grads_s[key]).abs().max())
+        own = float((grads_s[key].double() - exact[key]).abs().max())
+        tempo_err = float((grads_t[key].double() - exact[key]).abs().max())
+        assert err <= 1e-5 * scale or tempo_err <= 4 * own, (
+            f"{key}: max |Δ| {err:.3g} against max |grad| {scale:.3g}; from fp64 {tempo_err:.3g} against "
+            f"the stock model's {own:.3g}")
 
 
 def stock_and_patched(name, **options):
@@ -800,14 +815,12 @@ def test_every_family_norm_is_replaced_and_exact(family):
         eps_name = norm.eps_name
         assert getattr(norm, eps_name) == getattr(original, eps_name)
     assert patched.state_dict().keys() == stock.state_dict().keys()
+    _, exact = loss_and_grads(copy.deepcopy(stock).double())  # the yardstick: the stock model in fp64
     out_s, grads_s = loss_and_grads(stock)
     out_t, grads_t = loss_and_grads(patched)
     assert relative_error(out_t, out_s.double()) <= 1e-5
     assert grads_t.keys() == grads_s.keys()
-    for key in grads_s:
-        scale = max(float(grads_s[key].abs().max()), 1e-6)
-        err = float((grads_t[key] - grads_s[key]).abs().max())
-        assert err <= 1e-5 * scale, f"{key}: max |Δ| {err:.3g} against max |grad| {scale:.3g}"
+    assert_gradients_as_exact(grads_t, grads_s, exact)
 
 
 @pytest.mark.parametrize("family", list(_family_params()))
@@ -873,8 +886,8 @@ def test_built_on_the_meta_device(family):
         meta.get_buffer(name).copy_(buffer)
     (out_s, grads_s), (out_m, grads_m) = loss_and_grads(stock), loss_and_grads(meta)
     assert relative_error(out_m, out_s.double()) <= 1e-5
-    assert max(float((grads_m[k] - grads_s[k]).abs().max()) / max(float(grads_s[k].abs().max()), 1e-6)
-               for k in grads_s) <= 1e-5
+    assert grads_m.keys() == grads_s.keys()
+    assert_gradients_as_exact(grads_m, grads_s, loss_and_grads(copy.deepcopy(stock).double())[1])
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
