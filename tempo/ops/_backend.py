@@ -49,6 +49,14 @@ if TRITON_IMPORT_ERROR is not None:
                TRITON_IMPORT_ERROR)
 
 
+# The ops take ``triton`` and ``tl`` from here: None where triton cannot be imported (reference path only).
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+else:
+    triton = tl = None
+
+
 def triton_import_error() -> Optional[BaseException]:
     """The exception importing Triton raised, or None when it imports."""
     return TRITON_IMPORT_ERROR
@@ -153,6 +161,19 @@ def held_dropout(p: object, dropout: object, op: str) -> torch.nn.Dropout:
     if not isinstance(dropout, torch.nn.Dropout):
         raise TypeError(f"{op}: argument 'dropout' must be an nn.Dropout, got {type(dropout).__name__}")
     return dropout
+
+
+def held_dropout_rate(arg: str, op: str) -> property:
+    """The property ``arg`` of a module holding ``self.dropout`` (``held_dropout``): it reads and sets
+    that nn.Dropout's ``p``, a set value checked as ``check_probability(value, arg, op)`` checks it."""
+
+    def get(self) -> float:
+        return self.dropout.p
+
+    def set_(self, value: float) -> None:
+        self.dropout.p = check_probability(value, arg, op)
+
+    return property(get, set_, doc="The dropout rate: the held nn.Dropout's.")
 
 
 def autocast_dtype_for(t: torch.Tensor) -> torch.dtype | None:

@@ -175,8 +175,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from tempo.ops._backend import (check_float_tensor, check_probability, held_dropout, requested_backend,
-                                runs_own_forward)
+from tempo.ops._backend import (check_float_tensor, check_probability, held_dropout, held_dropout_rate,
+                                requested_backend, runs_own_forward)
 
 _OP = "efficient_attention"
 # Tile sizes of the reference path. They fix the layout of the dropout mask's random stream, so
@@ -225,6 +225,16 @@ def _dropout_tile(gen: torch.Generator, seed: int, qi: int, ki: int, shape: tupl
 
 def _blocks(n: int, block: int) -> list[tuple[int, int, int]]:
     return [(i, start, min(start + block, n)) for i, start in enumerate(range(0, n, block))]
+
+
+def _dv_and_dropped_dp(dv_tile: Tensor, probs: Tensor, dp: Tensor, gt: Tensor, z: Optional[Tensor]) -> None:
+    """One reference backward tile, in place: dv_tile += (P·Z)ᵀ·g and dp *= Z, with Z the tile's
+    ``_dropout_tile`` (None: no dropout, Z = 1). Shared with the disentangled attention."""
+    if z is None:
+        dv_tile += torch.matmul(probs.transpose(-1, -2), gt)
+    else:
+        dv_tile += torch.matmul((probs * z).transpose(-1, -2), gt)
+        dp.mul_(z)
 
 
 def attention_keep_mask(seed: Tensor | int, shape, dropout_p: float, device=None) -> Tensor:
@@ -413,13 +423,9 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
             # P = exp((S - m) - log l): S - m is exact near the row's max whatever |m| is.
             probs = _scores(qt, kc, mask4, is_causal, q0, q1, k0, k1, bias4).sub_(m_t).sub_(log_l_t).exp_()
             dp = torch.matmul(gt, vc[:, :, k0:k1].transpose(-1, -2))
-            if dropout:
-                z = _dropout_tile(gen, seed_int, qi, ki, tuple(probs.shape), p, q.device, cdt)
-                dv[:, :, k0:k1] += torch.matmul((probs * z).transpose(-1, -2), gt)
-                dp.mul_(z)
-                del z
-            else:
-                dv[:, :, k0:k1] += torch.matmul(probs.transpose(-1, -2), gt)
+            z = _dropout_tile(gen, seed_int, qi, ki, tuple(probs.shape), p, q.device, cdt) if dropout else None
+            _dv_and_dropped_dp(dv[:, :, k0:k1], probs, dp, gt, z)
+            del z
             ds = dp.sub_(delta_t).mul_(probs)  # dS = P * (dP - D), in dp's storage
             del probs
             for grad4 in (dmask4, dbias4):  # both are the scores' gradient, summed over their broadcast dims
@@ -1321,13 +1327,7 @@ class EfficientAttention(nn.Module):
         super().__init__()
         self.dropout = held_dropout(dropout_p, dropout, "EfficientAttention")  # read at every forward
 
-    @property
-    def dropout_p(self) -> float:
-        return self.dropout.p
-
-    @dropout_p.setter
-    def dropout_p(self, value: float) -> None:
-        self.dropout.p = check_probability(value, "dropout_p", "EfficientAttention")
+    dropout_p = held_dropout_rate("dropout_p", "EfficientAttention")
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False, scale: Optional[float] = None) -> Tensor:

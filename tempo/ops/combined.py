@@ -72,24 +72,10 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from tempo.ops._backend import (
-    TRITON_DTYPES,
-    autocast_dtype_for,
-    check_float_tensor,
-    check_probability,
-    held_dropout,
-    launch_on,
-    log_fallback_once,
-    resolve_backend,
-    runs_own_forward,
-)
-
-try:  # CPU-only installs without triton still import this module (reference path only).
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+# tl, triton: None without triton (reference path only).
+from tempo.ops._backend import (TRITON_DTYPES, autocast_dtype_for, check_float_tensor, check_probability, held_dropout,
+                                held_dropout_rate, launch_on, log_fallback_once, resolve_backend, runs_own_forward, tl,
+                                triton)
 
 _OP = "combined_softmax_dropout_matmul"
 # Softmax rows longer than this run on the reference path (logged once); attention rows are
@@ -121,6 +107,26 @@ if triton is not None:
         return tl.rand(seed, offsets) >= p
 
     @triton.jit
+    def _store_probs(s_ptr, d_ptr, seed_ptr, offsets, in_row, probs, p, scale,
+                     HAS_DROPOUT: tl.constexpr, WRITE_D: tl.constexpr):
+        # s = the softmax (kept for backward); d = its dropout, the matmul's input, when asked for.
+        tl.store(s_ptr + offsets, probs.to(s_ptr.dtype.element_ty), mask=in_row)
+        if HAS_DROPOUT:
+            keep = _keep_from_seed(seed_ptr, offsets, p)
+            probs = tl.where(keep, probs * scale, 0.0)
+        if WRITE_D:
+            tl.store(d_ptr + offsets, probs.to(d_ptr.dtype.element_ty), mask=in_row)
+
+    @triton.jit
+    def _dropped_grad(dd_ptr, cols, in_row, seed_ptr, counters, p, scale, HAS_DROPOUT: tl.constexpr):
+        # dS = dD * mask * scale in fp32 at dd_ptr + cols, the mask regenerated from the seed at ``counters``.
+        ds = tl.load(dd_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep = _keep_from_seed(seed_ptr, counters, p)
+            ds = tl.where(keep, ds * scale, 0.0)
+        return ds
+
+    @triton.jit
     def _softmax_dropout_fwd_kernel(x_ptr, s_ptr, d_ptr, seed_ptr, n_cols, p, scale,
                                     HAS_DROPOUT: tl.constexpr, WRITE_D: tl.constexpr,
                                     BLOCK: tl.constexpr):
@@ -135,12 +141,7 @@ if triton is not None:
         e = tl.exp(x - row_max)
         total = tl.sum(e, axis=0)
         probs = e / tl.where(total == 0.0, 1.0, total)
-        tl.store(s_ptr + offsets, probs.to(s_ptr.dtype.element_ty), mask=in_row)
-        if HAS_DROPOUT:
-            keep = _keep_from_seed(seed_ptr, offsets, p)
-            probs = tl.where(keep, probs * scale, 0.0)
-        if WRITE_D:
-            tl.store(d_ptr + offsets, probs.to(d_ptr.dtype.element_ty), mask=in_row)
+        _store_probs(s_ptr, d_ptr, seed_ptr, offsets, in_row, probs, p, scale, HAS_DROPOUT, WRITE_D)
 
     @triton.jit
     def _softmax_dropout_fwd_long_kernel(x_ptr, s_ptr, d_ptr, seed_ptr, n_cols, p, scale,
@@ -169,12 +170,7 @@ if triton is not None:
             offsets = base + cols
             x = tl.load(x_ptr + offsets, mask=in_row, other=-float("inf")).to(tl.float32)
             probs = tl.exp(x - row_max) / total
-            tl.store(s_ptr + offsets, probs.to(s_ptr.dtype.element_ty), mask=in_row)
-            if HAS_DROPOUT:
-                keep = _keep_from_seed(seed_ptr, offsets, p)
-                probs = tl.where(keep, probs * scale, 0.0)
-            if WRITE_D:
-                tl.store(d_ptr + offsets, probs.to(d_ptr.dtype.element_ty), mask=in_row)
+            _store_probs(s_ptr, d_ptr, seed_ptr, offsets, in_row, probs, p, scale, HAS_DROPOUT, WRITE_D)
 
     @triton.jit
     def _dropout_from_seed_kernel(s_ptr, out_ptr, seed_ptr, n_elements, rng_base, p, scale,
@@ -199,10 +195,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         in_row = cols < n_cols
         offsets = row * n_cols + cols
-        ds = tl.load(dd_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
-        if HAS_DROPOUT:
-            keep = _keep_from_seed(seed_ptr, offsets + rng_base, p)
-            ds = tl.where(keep, ds * scale, 0.0)
+        ds = _dropped_grad(dd_ptr, offsets, in_row, seed_ptr, offsets + rng_base, p, scale, HAS_DROPOUT)
         s = tl.load(s_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
         dot = tl.sum(ds * s, axis=0)
         tl.store(dx_ptr + offsets, (s * (ds - dot)).to(dx_ptr.dtype.element_ty), mask=in_row)
@@ -218,19 +211,13 @@ if triton is not None:
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             in_row = cols < n_cols
-            ds = tl.load(dd_ptr + base + cols, mask=in_row, other=0.0).to(tl.float32)
-            if HAS_DROPOUT:
-                keep = _keep_from_seed(seed_ptr, base + cols + rng_base, p)
-                ds = tl.where(keep, ds * scale, 0.0)
+            ds = _dropped_grad(dd_ptr + base, cols, in_row, seed_ptr, base + cols + rng_base, p, scale, HAS_DROPOUT)
             acc += ds * tl.load(s_ptr + base + cols, mask=in_row, other=0.0).to(tl.float32)
         dot = tl.sum(acc, axis=0)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             in_row = cols < n_cols
-            ds = tl.load(dd_ptr + base + cols, mask=in_row, other=0.0).to(tl.float32)
-            if HAS_DROPOUT:
-                keep = _keep_from_seed(seed_ptr, base + cols + rng_base, p)
-                ds = tl.where(keep, ds * scale, 0.0)
+            ds = _dropped_grad(dd_ptr + base, cols, in_row, seed_ptr, base + cols + rng_base, p, scale, HAS_DROPOUT)
             s = tl.load(s_ptr + base + cols, mask=in_row, other=0.0).to(tl.float32)
             tl.store(dx_ptr + base + cols, (s * (ds - dot)).to(dx_ptr.dtype.element_ty), mask=in_row)
 
@@ -623,14 +610,7 @@ class Combined(nn.Module):
         self.dim = dim
         self.dropout = held_dropout(p, dropout, "Combined")  # its rate and flag are read at every forward
 
-    @property
-    def p(self) -> float:
-        """The dropout rate: the held nn.Dropout's."""
-        return self.dropout.p
-
-    @p.setter
-    def p(self, value: float) -> None:
-        self.dropout.p = check_probability(value, "p", "Combined")
+    p = held_dropout_rate("p", "Combined")
 
     def forward(self, x: Tensor, v: Tensor) -> Tensor:
         return combined_softmax_dropout_matmul(x, v, self.dim, float(self.dropout.p), self.dropout.training)

@@ -129,14 +129,9 @@ from tempo.ops._backend import (
     resolve_backend,
     triton_interpreting,
 )
-from tempo.ops.attention import _sequence_seed, _tile_seed, draw_seed
+from tempo.ops._backend import tl, triton  # None without triton (reference path only)
+from tempo.ops.attention import _blocks, _dropout_tile, _dv_and_dropped_dp, _sequence_seed, _uniform_tile, draw_seed
 
-try:  # CPU-only machines may lack triton: the reference path still works there
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 OP_NAME = "disentangled_attention"
 _VAR_OP = "disentangled_attention_varlen"
@@ -259,20 +254,6 @@ def _table_half(table: Tensor) -> int:
 # ----------------------------------------------------------------------------------------------
 # Reference path: tiles of scores batched over (B, H)
 # ----------------------------------------------------------------------------------------------
-def _blocks(n: int, block: int) -> list[tuple[int, int, int]]:
-    return [(i, start, min(start + block, n)) for i, start in enumerate(range(0, n, block))]
-
-
-def _uniform_tile(gen: torch.Generator, seed: int, qi: int, ki: int, shape: tuple[int, ...],
-                  device: torch.device) -> Tensor:
-    gen.manual_seed(_tile_seed(seed, qi, ki))
-    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
-
-
-def _dropout_tile(gen, seed: int, qi: int, ki: int, shape, p: float, device, dtype) -> Tensor:
-    return _uniform_tile(gen, seed, qi, ki, shape, device).ge_(p).to(dtype).mul_(1.0 / (1.0 - p))
-
-
 class _Tables:
     """What every tile of one reference call shares: the inputs as [B, H, S, D] compute-dtype
     views, the position tables as [H, 2·span, D], the host copy of the index table and the mask."""
@@ -391,13 +372,9 @@ def _reference_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_k
             probs = s.sub_(m_t).sub_(log_l_t).exp_()
             vt, kt = tabs.v[:, :, k0:k1], tabs.k[:, :, k0:k1]
             dp = torch.matmul(gt, vt.transpose(-1, -2))
-            if dropout:
-                z = _dropout_tile(gen, seed, qi, ki, tuple(probs.shape), p, q.device, cdt)
-                dv[:, :, k0:k1] += torch.matmul((probs * z).transpose(-1, -2), gt)
-                dp.mul_(z)
-                del z
-            else:
-                dv[:, :, k0:k1] += torch.matmul(probs.transpose(-1, -2), gt)
+            z = _dropout_tile(gen, seed, qi, ki, tuple(probs.shape), p, q.device, cdt) if dropout else None
+            _dv_and_dropped_dp(dv[:, :, k0:k1], probs, dp, gt, z)
+            del z
             ds = dp.sub_(delta_t).mul_(probs)  # dS / scale
             del probs
             if real_rows is not None:  # a padded row's scores are constants: no gradient
@@ -757,6 +734,8 @@ if triton is not None:
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr,
     ):
         # Programs over (TPP key tiles, head, batch group): dk, dv and the p2c position gradient.
+        # Apart on purpose from _bwd_dq_kernel, whose loops run the other way round (query tiles
+        # outside), so each kernel accumulates its own gradients in registers without atomics.
         prog = tl.program_id(0)
         h = tl.program_id(1)
         g = tl.program_id(2)

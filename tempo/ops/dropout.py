@@ -53,14 +53,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tempo.ops._backend import check_float_tensor, check_probability, launch_on, log_fallback_once, resolve_backend
+from tempo.ops._backend import tl, triton  # None without triton (reference path only)
 from tempo.ops.dropout_add_layernorm import _reference_keep_mask, _triton_keep_mask, draw_seed
 
-try:  # CPU-only installs without triton still import this module (reference path only).
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 OP = "seeded_dropout"
 logger = logging.getLogger(__name__)

@@ -72,20 +72,17 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from tempo.ops._backend import (
-    TRITON_DTYPES,
-    autocast_dtype_for,
-    check_float_tensor,
-    check_probability,
-    held_dropout,
-    launch_on,
-    resolve_backend,
-    runs_own_forward,
-)
+# tl, triton: None without triton (reference path only).
+from tempo.ops._backend import (TRITON_DTYPES, autocast_dtype_for, check_float_tensor, check_probability, held_dropout,
+                                held_dropout_rate, launch_on, resolve_backend, runs_own_forward, tl, triton)
 from tempo.ops.layernorm import (
     LayerNormParameters,
     _as_shape,
     _kept_args,
+    _no_param_grad,
+    _num_warps,
+    _partials,
+    _summed_grad,
     call_with_plan,
     check_parameter_devices,
     kept_fake,
@@ -96,14 +93,8 @@ from tempo.ops.layernorm import (
     recovery_inverse,
 )
 
-try:  # CPU-only installs without triton still import this module (reference path only).
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from tempo.ops.layernorm import _recover  # the one recovery of x̂, shared with InplaceLayerNorm
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 OP_NAME = "dropout_add_layernorm"
 logger = logging.getLogger(__name__)  # "tempo.ops.dropout_add_layernorm", under the "tempo" logger
@@ -166,6 +157,8 @@ if triton is not None:
     ):
         # Each program walks a contiguous run of rows, writes their d(residual) and d(x), and
         # accumulates its own partial dγ/dβ in fp32; the host sums the partials (no atomics).
+        # Apart on purpose from _layernorm_bwd_kernel: it writes d(residual) too, drops out dx, and
+        # addresses rows as row·N + int32 columns (fewer registers than its row strides).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         in_row = cols < N
@@ -214,16 +207,6 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------
 # Host launchers (all tensors contiguous; rows = numel / N)
 # ----------------------------------------------------------------------------------------------
-def _num_warps(block_n: int) -> int:
-    # 16 warps from 4096 features: with 8, triton 3.6 spills registers in the 4096-wide backward
-    # (fp32 in, bf16 out) on sm_80 (the compile gate found it).
-    if block_n >= 4096:
-        return 16
-    if block_n >= 2048:
-        return 8
-    return 4
-
-
 def _dropout_scale(p: float) -> float:
     return 1.0 / (1.0 - p)
 
@@ -265,8 +248,7 @@ def _bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept
     programs = _backward_programs(rows, y.device)
     rows_per_program = triton.cdiv(rows, programs)
     programs = triton.cdiv(rows, rows_per_program)
-    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=y.device) if weight is not None else None
-    db_partial = torch.empty((programs, n), dtype=torch.float32, device=y.device) if bias is not None else None
+    dw_partial, db_partial = _partials(weight, programs, n, y), _partials(bias, programs, n, y)
     dummy = rstd
     inv_w = recovery_inverse(weight.reshape(n), kept_cols) if weight is not None else dummy
     slots, kept_arg, k = _kept_args(kept_cols, kept_xhat, n, dummy)
@@ -280,9 +262,7 @@ def _bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept
             HAS_DROPOUT=dropout, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             HAS_KEPT=kept_cols.numel() > 0, BLOCK_N=block_n, num_warps=_num_warps(block_n),
         )
-    dw = dw_partial.sum(0).view(weight.shape).to(weight.dtype) if weight is not None else _no_param_grad(y)
-    db = db_partial.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else _no_param_grad(y)
-    return dx, dr, dw, db
+    return dx, dr, _summed_grad(dw_partial, weight, y), _summed_grad(db_partial, bias, y)
 
 
 def _triton_keep_mask(seed: Tensor, numel: int, p: float, device: torch.device) -> Tensor:
@@ -305,11 +285,6 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 def _flat(param: Optional[Tensor], n: int) -> Optional[Tensor]:
     return param.reshape(n) if param is not None else None
-
-
-def _no_param_grad(like: Tensor) -> Tensor:
-    # Custom ops cannot return None: an absent weight/bias gets an empty gradient.
-    return like.new_empty((0,), dtype=torch.float32)
 
 
 def _reference_random_words(seed: Tensor, numel: int, device: torch.device) -> Tensor:
@@ -641,14 +616,7 @@ class DropoutAddLayerNorm(LayerNormParameters):
         # apply_tempo passes the block's own module; its rate and flag are read at every forward.
         self.dropout = held_dropout(p, dropout, "DropoutAddLayerNorm")
 
-    @property
-    def p(self) -> float:
-        """The dropout rate: the held nn.Dropout's."""
-        return self.dropout.p
-
-    @p.setter
-    def p(self, value: float) -> None:
-        self.dropout.p = check_probability(value, "p", "DropoutAddLayerNorm")
+    p = held_dropout_rate("p", "DropoutAddLayerNorm")
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         return _dropout_add_layernorm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps,

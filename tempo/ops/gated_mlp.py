@@ -87,14 +87,9 @@ from tempo.ops._backend import (
     resolve_backend,
     runs_own_forward,
 )
+from tempo.ops._backend import tl, triton  # None without triton (reference path only)
 from tempo.ops.dropout_add_layernorm import _reference_keep_mask, draw_seed
 
-try:  # CPU-only installs without triton still import this module (reference path only).
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 OP = "gated_linear"
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")

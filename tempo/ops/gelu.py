@@ -111,14 +111,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tempo.ops._backend import check_float_tensor, launch_on, resolve_backend, runs_own_forward
+from tempo.ops._backend import tl, triton  # None without triton (reference path only)
 from tempo.ops.bitpack import pack_bits, packed_numel
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference path needs no Triton
-    triton = None
-    tl = None
 
 OP = "InplaceGelu"
 APPROXIMATIONS = ("none", "tanh")
@@ -172,6 +166,13 @@ def _taylor_at_exact_minimum(order: int = 7) -> tuple[float, ...]:
     return tuple((k * dphi[k - 2] + X_STAR * dphi[k - 1]) / math.factorial(k) for k in range(2, order + 1))
 
 
+def _fp32_split(field: str) -> tuple[property, property]:
+    """Properties (head, tail) of the float attribute ``field``: head = its fp32 rounding, tail = field − head."""
+    head = property(lambda self: _fp32(getattr(self, field)))
+    tail = property(lambda self: getattr(self, field) - _fp32(getattr(self, field)))
+    return head, tail
+
+
 @dataclass(frozen=True)
 class GeluForm:
     """What the forward kernel and the derivative table need to know about one GELU form."""
@@ -184,21 +185,8 @@ class GeluForm:
 
     # y − y* near the minimum loses the bits that matter most in fp32: y* is split into an fp32
     # head and a small tail, so y − head is exact (Sterbenz) and the tail is subtracted after.
-    @property
-    def y_star_head(self) -> float:
-        return _fp32(self.y_star)
-
-    @property
-    def y_star_tail(self) -> float:
-        return self.y_star - self.y_star_head
-
-    @property
-    def x_star_head(self) -> float:
-        return _fp32(self.x_star)
-
-    @property
-    def x_star_tail(self) -> float:
-        return self.x_star - self.x_star_head
+    y_star_head, y_star_tail = _fp32_split("y_star")
+    x_star_head, x_star_tail = _fp32_split("x_star")
 
     @property
     def x_split(self) -> float:

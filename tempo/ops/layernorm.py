@@ -121,13 +121,8 @@ from tempo.ops._backend import (
     resolve_backend,
     runs_own_forward,
 )
+from tempo.ops._backend import tl, triton  # None without triton (reference path only)
 
-try:  # CPU-only machines may lack triton: the reference path still works there
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 OP_NAME = "inplace_layernorm"
 # Rows longer than this do not fit one Triton block in the forward; they run on the reference
@@ -738,7 +733,9 @@ if triton is not None:
     ):
         # Rows of up to BWD_BLOCK_MAX features: a row fits in registers. Each program walks a
         # contiguous run of rows, writes their dx, and accumulates its own partial dγ/dβ in fp32
-        # registers; the host sums the partials (no atomics: deterministic).
+        # registers; the host sums the partials (no atomics: deterministic). Apart on purpose from
+        # the wide pair below (a whole row in registers, not a chunk) and from RMSNorm's kernels
+        # (rmsnorm.py: no mean term, no β, one row sum).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         in_row = cols < N
@@ -926,6 +923,23 @@ def _backward_plan(rows: int, n: int, sms: Optional[int]) -> tuple[bool, int, in
     return wide, programs, rows_per_program, chunks
 
 
+def _device_backward_plan(t: Tensor, rows: int, n: int) -> tuple[bool, int, int, int]:
+    """``_backward_plan`` for the SMs of ``t``'s device (off CUDA: the interpreter's)."""
+    sms = torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else None
+    return _backward_plan(rows, n, sms)
+
+
+def _partials(param: Optional[Tensor], programs: int, n: int, like: Tensor) -> Optional[Tensor]:
+    """The fp32 [programs, n] partial gradients of ``param`` the backward kernels write; None without it."""
+    return torch.empty((programs, n), dtype=torch.float32, device=like.device) if param is not None else None
+
+
+def _summed_grad(partials: Optional[Tensor], param: Optional[Tensor], like: Tensor) -> Tensor:
+    """The gradient of ``param`` (its shape and dtype) from its partials; ``_no_param_grad`` without it."""
+    # torch's sum over dim 0 is deterministic (no atomics), so the gradient is bit-reproducible.
+    return partials.sum(0).view(param.shape).to(param.dtype) if param is not None else _no_param_grad(like)
+
+
 def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tensor, kept_xhat: Tensor,
                           weight: Optional[Tensor], bias: Optional[Tensor],
                           x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -933,11 +947,8 @@ def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Te
     n = y.numel() // rows
     dx = torch.empty(y.shape, dtype=x_dtype, device=y.device)
     block_n = triton.next_power_of_2(n)
-    sms = torch.cuda.get_device_properties(y.device).multi_processor_count if y.is_cuda else None
-    wide, programs, rows_per_program, chunks = _backward_plan(rows, n, sms)
-    partial_shape = (programs, n)
-    dw_partial = torch.empty(partial_shape, dtype=torch.float32, device=y.device) if weight is not None else None
-    db_partial = torch.empty(partial_shape, dtype=torch.float32, device=y.device) if bias is not None else None
+    wide, programs, rows_per_program, chunks = _device_backward_plan(y, rows, n)
+    dw_partial, db_partial = _partials(weight, programs, n, y), _partials(bias, programs, n, y)
     dummy = rstd
     inv_w = recovery_inverse(weight, kept_cols) if weight is not None else dummy
     slots, kept_arg, k = _kept_args(kept_cols, kept_xhat, n, dummy)
@@ -961,10 +972,7 @@ def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Te
                 grad_y, y, w_arg, b_arg, inv_w, rstd, slots, kept_arg, k, sums, dx, *tail,
                 **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
             )
-    # torch's sum over dim 0 is deterministic (no atomics), so dγ/dβ are bit-reproducible.
-    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else _empty_param_grad(None, y)
-    db = db_partial.sum(0).to(bias.dtype) if bias is not None else _empty_param_grad(None, y)
-    return dx, dw, db
+    return dx, _summed_grad(dw_partial, weight, y), _summed_grad(db_partial, bias, y)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -972,9 +980,9 @@ def _layernorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Te
 # Written for speed on the CPU: aten's fused LayerNorm forward and backward, plus an index per
 # kept column.
 # ----------------------------------------------------------------------------------------------
-def _empty_param_grad(param: Optional[Tensor], like: Tensor) -> Tensor:
-    # Custom ops cannot return None: an absent weight/bias gets an empty gradient.
-    return torch.empty((0,), dtype=param.dtype if param is not None else torch.float32, device=like.device)
+def _no_param_grad(like: Tensor) -> Tensor:
+    # Custom ops cannot return None: an absent weight/bias gets an empty fp32 gradient.
+    return torch.empty((0,), dtype=torch.float32, device=like.device)
 
 
 def normalize_rows_reference(s: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor],
@@ -1046,8 +1054,8 @@ def _layernorm_bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols:
                              x_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = normalize_rows_backward_reference(grad_y.reshape(-1, n), y.reshape(-1, n), rstd, kept_cols,
                                                    kept_xhat, weight, bias)
-    dw = dw.to(weight.dtype) if weight is not None else _empty_param_grad(None, y)
-    db = db.to(bias.dtype) if bias is not None else _empty_param_grad(None, y)
+    dw = dw.to(weight.dtype) if weight is not None else _no_param_grad(y)
+    db = db.to(bias.dtype) if bias is not None else _no_param_grad(y)
     return dx.view(y.shape).to(x_dtype), dw, db
 
 

@@ -129,17 +129,21 @@ from tempo.ops._backend import (
     resolve_backend,
     runs_own_forward,
 )
+from tempo.ops._backend import tl, triton  # None without triton (reference path only)
 from tempo.ops.layernorm import (
     _WIDE_CHUNK,
     _WIDE_WARPS,
     MAX_TRITON_N,
     KeptColumnPlans,
     _as_shape,
-    _backward_plan,
+    _device_backward_plan,
     _flat_param,
     _kept_args,
+    _no_param_grad,
     _num_warps,
+    _partials,
     _ShapeLike,
+    _summed_grad,
     call_with_plan,
     check_parameter_devices,
     kept_fake,
@@ -149,14 +153,8 @@ from tempo.ops.layernorm import (
     recovery_inverse,
 )
 
-try:  # CPU-only installs without triton still import this module (reference path only).
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from tempo.ops.layernorm import _recover  # the one recovery of x̂, shared with the LayerNorms
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 OP_NAME = "inplace_rmsnorm"
 _HALF = (torch.float16, torch.bfloat16)
@@ -238,7 +236,8 @@ if triton is not None:
         # Rows of up to BWD_BLOCK_MAX features in registers. Each program walks a contiguous run of
         # rows, writes their dx and accumulates its partial dw in fp32; the host sums the partials
         # (no atomics: deterministic). W is w_eff (the host adds the Gemma form's 1), INV_W its
-        # reciprocal with 0 at the kept columns.
+        # reciprocal with 0 at the kept columns. Apart on purpose from the LayerNorm's kernels, whose
+        # dx has a mean term this one lacks (and a β, and two row sums where this has one).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         in_row = cols < N
@@ -348,9 +347,8 @@ def _rmsnorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tens
     n = y.numel() // rows
     dx = torch.empty(y.shape, dtype=x_dtype, device=y.device)
     block_n = triton.next_power_of_2(n)
-    sms = torch.cuda.get_device_properties(y.device).multi_processor_count if y.is_cuda else None
-    wide, programs, rows_per_program, chunks = _backward_plan(rows, n, sms)
-    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=y.device) if weight is not None else None
+    wide, programs, rows_per_program, chunks = _device_backward_plan(y, rows, n)
+    dw_partial = _partials(weight, programs, n, y)
     dummy = rstd  # stands in for absent pointers; never touched (constexpr flags)
     # w_eff in the dtype the kernels read it in: the weight itself, or fp32 1 + w (the forward's value).
     w_eff = (effective_weight(weight, True, torch.float32) if unit_offset else weight) if weight is not None else None
@@ -375,20 +373,13 @@ def _rmsnorm_bwd_triton(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: Tens
                 grad_y, y, w_arg, inv_w, rstd, slots, kept_arg, k, sums, dx, *tail,
                 **flags, CHUNK=_WIDE_CHUNK, num_warps=_WIDE_WARPS,
             )
-    # torch's sum over dim 0 is deterministic (no atomics), so dw is bit-reproducible.
-    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else _no_weight_grad(y)
-    return dx, dw
+    return dx, _summed_grad(dw_partial, weight, y)
 
 
 # ----------------------------------------------------------------------------------------------
 # Reference implementation (any device, any float dtype; same saved tensors as the kernels). The
 # forward runs the stock modules' ops in their order: x.pow(2).mean(-1) + eps, rsqrt, x·rstd, ·w_eff.
 # ----------------------------------------------------------------------------------------------
-def _no_weight_grad(like: Tensor) -> Tensor:
-    # Custom ops cannot return None: an absent weight gets an empty gradient.
-    return torch.empty((0,), dtype=torch.float32, device=like.device)
-
-
 def _normalize(x2d: Tensor, weight: Optional[Tensor], eps: float, unit_offset: bool,
                compute: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """(y in the compute dtype, rstd [rows, 1], x̂) of rows ``x2d``; y is a fresh tensor."""
@@ -416,7 +407,7 @@ def _rmsnorm_bwd_reference(grad_y: Tensor, y: Tensor, rstd: Tensor, kept_cols: T
     xhat = recover_xhat(y.reshape(-1, n), kept_cols, kept_xhat, w_eff, None, compute)
     g_w = g * w_eff if w_eff is not None else g
     dx = (g_w - xhat * (g_w * xhat).mean(-1, keepdim=True)) * rstd.unsqueeze(-1)
-    dw = (g * xhat).sum(0).to(weight.dtype) if weight is not None else _no_weight_grad(y)
+    dw = (g * xhat).sum(0).to(weight.dtype) if weight is not None else _no_param_grad(y)
     return dx.view(y.shape).to(x_dtype), dw
 
 
