@@ -72,6 +72,7 @@ from tempo.integrations.dropouts import seed_dropouts
 from tempo.integrations.projections import keep_norm_outputs
 from tempo.integrations.bert_family import FusedResidualOutput
 from tempo.integrations.layers import gelu_form
+from tempo.integrations.lm_loss import fuse_lm_loss
 from tempo.integrations.recipe import ORIGINAL, Options, Recipe, Skip, Switched, as_original_class, \
     is_replacement, move_parameters, restore_classes, tempo_class
 
@@ -102,8 +103,9 @@ def _recipe_named(kind: str) -> Optional[Recipe]:
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
-def _options(gelu: Any, layernorm: Any, attention: Any, dropout_add_layernorm: Any) -> Options:
-    for name, value in (("gelu", gelu), ("layernorm", layernorm), ("dropout_add_layernorm", dropout_add_layernorm)):
+def _options(gelu: Any, layernorm: Any, attention: Any, dropout_add_layernorm: Any, lm_loss: Any = True) -> Options:
+    for name, value in (("gelu", gelu), ("layernorm", layernorm), ("dropout_add_layernorm", dropout_add_layernorm),
+                        ("lm_loss", lm_loss)):
         if not isinstance(value, bool):
             raise TypeError(f"apply_tempo: argument '{name}' must be True or False, got {value!r}")
     named = attention is not None
@@ -114,7 +116,7 @@ def _options(gelu: Any, layernorm: Any, attention: Any, dropout_add_layernorm: A
         raise ValueError(f"apply_tempo: argument 'attention' must be None (the default), True, False, 'tempo' "
                          f"or 'efficient', got {attention!r}")
     return Options(gelu=gelu, layernorm=layernorm, attention=choices[attention],
-                   dropout_add_layernorm=dropout_add_layernorm, attention_named=named)
+                   dropout_add_layernorm=dropout_add_layernorm, attention_named=named, lm_loss=lm_loss)
 
 
 def _check_model(model: Any) -> None:
@@ -321,7 +323,7 @@ def _put_extras_back(snapshot: list[tuple[nn.Module, set, list[tuple[str, dict]]
 # ---------------------------------------------------------------------------------------------
 def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = _DEFAULT.layernorm,
                 attention: bool | str | None = None,
-                dropout_add_layernorm: bool = _DEFAULT.dropout_add_layernorm) -> nn.Module:
+                dropout_add_layernorm: bool = _DEFAULT.dropout_add_layernorm, lm_loss: bool = True) -> nn.Module:
     """Swap Tempo's memory-saving layers into ``model`` in place; returns ``model``.
 
     With no arguments: the default, ``tempo.choices.TempoChoice.default()`` (every Tempo layer kind
@@ -338,7 +340,9 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     False leaves it. ``dropout_add_layernorm``: the BERT family's residual blocks (BERT, RoBERTa,
     XLM-R, CamemBERT, ELECTRA, DeBERTa-v2/v3) -> ``FusedResidualOutput`` (one DropoutAddLayerNorm,
     same state_dict keys), and every other plain ``nn.Dropout`` -> ``SeededDropout`` (a class switch:
-    it keeps a seed, not its mask; tempo.ops.dropout).
+    it keeps a seed, not its mask; tempo.ops.dropout). ``lm_loss``: a causal LM's head and loss, in
+    training with labels, through ``tempo.ops.linear_cross_entropy`` (no logits; ``outputs.logits`` is
+    None then; a class switch, tempo.integrations.lm_loss).
     The paper's three layers:
     ``apply_tempo(model, attention="tempo", dropout_add_layernorm=False)``.
     See the module docstring for the rules (idempotent, all or nothing, stock behaviour).
@@ -354,7 +358,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     default (None) such an attention is left as it is, logged in one line.
     """
     _check_model(model)
-    options = _options(gelu, layernorm, attention, dropout_add_layernorm)
+    options = _options(gelu, layernorm, attention, dropout_add_layernorm, lm_loss)
     _check_not_differently_patched(model, options)
     if _STATE in model.__dict__:
         logger.info("apply_tempo: %s is already patched with this choice; nothing to do", type(model).__name__)
@@ -367,7 +371,8 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     if options.attention is not None and asks_for_attention_weights(model):
         logger.info("attention: %s's config sets output_attentions=True; Tempo attention keeps no attention "
                     "weights to return, so the attention is left as it is", type(model).__name__)
-        options_for_modules = Options(options.gelu, options.layernorm, None, options.dropout_add_layernorm)
+        options_for_modules = Options(options.gelu, options.layernorm, None, options.dropout_add_layernorm,
+                                      lm_loss=options.lm_loss)
     else:
         options_for_modules = options
     active = [r for r in recipes() if r.is_enabled(options_for_modules)]
@@ -393,6 +398,9 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         # The dropouts left as modules (inline residual, embedding, classifier) keep a seed, not a mask.
         if options_for_modules.dropout_add_layernorm:
             switched.extend(seed_dropouts(model))
+        # A causal LM's head and loss without the logits in training (tempo.integrations.lm_loss).
+        if options_for_modules.lm_loss:
+            switched.extend(fuse_lm_loss(model))
     except BaseException:
         restore_classes(switched)
         _put_extras_back(extras_before)

@@ -59,15 +59,16 @@ class Options:
     attention: Optional[str]  # "tempo" (Combined), "efficient", or None (leave attention alone)
     dropout_add_layernorm: bool
     attention_named: bool = False  # the caller named an attention (not the default): refusing it raises
+    lm_loss: bool = True  # a causal LM's head and loss fused (tempo.integrations.lm_loss)
 
     def describe(self) -> str:
         attention = repr(self.attention) if self.attention is not None else "False"
         return (f"gelu={self.gelu}, layernorm={self.layernorm}, attention={attention}, "
-                f"dropout_add_layernorm={self.dropout_add_layernorm}")
+                f"dropout_add_layernorm={self.dropout_add_layernorm}, lm_loss={self.lm_loss}")
 
     def same_choice(self, other: "Options") -> bool:
-        return (self.gelu, self.layernorm, self.attention, self.dropout_add_layernorm) == (
-            other.gelu, other.layernorm, other.attention, other.dropout_add_layernorm)
+        return (self.gelu, self.layernorm, self.attention, self.dropout_add_layernorm, self.lm_loss) == (
+            other.gelu, other.layernorm, other.attention, other.dropout_add_layernorm, other.lm_loss)
 
 
 @dataclass(frozen=True)
