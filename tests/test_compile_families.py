@@ -1,6 +1,6 @@
 """torch.compile of every patched family, MPNet included: a 2-layer training forward (train mode, a
 loss) whose graph breaks never pass through a Tempo layer, with the exact break count per family
-(0, but GPT-2's loss: tests/test_compile_graphs.py's KNOWN_BREAKS), every Tempo op of the layers in
+(0: tests/test_compile_graphs.py's KNOWN_BREAKS), every Tempo op of the layers in
 the graph, and an aot_eager step giving the eager loss and gradients (dropout off).
 
 MPNet's layers used to break 13 times in 2 layers (14 graphs): their padding-mask row was checked
@@ -69,8 +69,7 @@ def through_a_layer(reason) -> bool:
 
 @pytest.mark.parametrize("family", ALL)
 def test_a_training_forward_breaks_nowhere_in_the_layers(family):
-    """No break through a Tempo frame; the exact break count (KNOWN_BREAKS: GPT-2's loss, stock
-    too; MPNet: 0, one graph); every Tempo op of the layers in the graph (a frame dynamo skipped
+    """No break through a Tempo frame; the exact break count (KNOWN_BREAKS: none now; MPNet: 0, one graph); every Tempo op of the layers in the graph (a frame dynamo skipped
     would drop them without counting a break)."""
     model = patched(family)
     explained = torch._dynamo.explain(lambda **b: model(**b).loss)(**batch(3))

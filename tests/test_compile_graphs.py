@@ -33,23 +33,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 COMPILED_FAMILIES = ["bert", "roberta", "distilbert", "gpt2", "modernbert", "deberta", "llama", "qwen3", "gemma3"]
 # Where a patched family still breaks its graph, by file (the stock model breaks there too, or the
-# code is not Tempo's): GPT-2's loss (transformers' loss_function, stock too). Before, the packing
+# code is not Tempo's). None now: GPT-2's loss (transformers' loss_function, stock too) broke until
+# apply_tempo fused the causal LMs' head and loss (tempo.integrations.lm_loss). Before, the packing
 # detection of tempo/integrations/hf_attention.py broke every layer of the families whose layers
 # get position_ids (GPT-2 15 breaks, Llama 15, Qwen3 15, Gemma3 19 with the default patch): now the
 # packing is read once per model call by the call hooks, outside the graph, and the layers read none.
-KNOWN_BREAKS = {"gpt2": {"modeling_gpt2.py"}}
+KNOWN_BREAKS: dict[str, set[str]] = {}
 # The Tempo ops a 2-layer patched model's training forward must hold in its graph(s): a frame
 # dynamo skipped would leave them out without counting a break.
 TEMPO_OPS = {
     "bert": {"layernorm_fwd": 2, "dropout_add_layernorm_fwd": 4, "efficient_attention_fwd": 2},
     "roberta": {"layernorm_fwd": 2, "dropout_add_layernorm_fwd": 4, "efficient_attention_fwd": 2},
     "distilbert": {"layernorm_fwd": 6, "efficient_attention_fwd": 2},
-    "gpt2": {"layernorm_fwd": 5, "efficient_attention_fwd": 2},
+    "gpt2": {"layernorm_fwd": 5, "efficient_attention_fwd": 2, "linear_cross_entropy_fwd": 1},
     "modernbert": {"layernorm_fwd": 6, "efficient_attention_fwd": 2},
     "deberta": {"layernorm_fwd": 3, "dropout_add_layernorm_fwd": 4},
-    "llama": {"rmsnorm_fwd": 5, "gated_linear_fwd": 2, "efficient_attention_fwd": 2},
-    "qwen3": {"rmsnorm_fwd": 9, "gated_linear_fwd": 2, "efficient_attention_fwd": 2},
-    "gemma3": {"rmsnorm_fwd": 13, "gated_linear_fwd": 2, "efficient_attention_fwd": 2},
+    "llama": {"linear_cross_entropy_fwd": 1, "rmsnorm_fwd": 5, "gated_linear_fwd": 2, "efficient_attention_fwd": 2},
+    "qwen3": {"linear_cross_entropy_fwd": 1, "rmsnorm_fwd": 9, "gated_linear_fwd": 2, "efficient_attention_fwd": 2},
+    "gemma3": {"linear_cross_entropy_fwd": 1, "rmsnorm_fwd": 13, "gated_linear_fwd": 2, "efficient_attention_fwd": 2},
 }
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tempo.integrations.recipe import Switched, as_original_class
+from tempo.integrations.recipe import _STANDS_FOR, Switched, as_original_class
 from tempo.ops.linear_cross_entropy import linear_cross_entropy
 
 logger = logging.getLogger("tempo.integrations.patch")
@@ -62,13 +62,13 @@ class FusedLossCausalLM(nn.Module):
         own = super(FusedLossCausalLM, self).forward
         if not (self.training and torch.is_grad_enabled() and kwargs.get("labels") is not None):
             return own(*args, **kwargs)
-        bound = inspect.signature(own).bind(*args, **kwargs)
-        call = {k: v for k, v in bound.arguments.items() if inspect.signature(own).parameters[k].kind
-                is not inspect.Parameter.VAR_KEYWORD}
-        call.update(bound.arguments.get("kwargs", {}))
+        names, output_class, fields = _SPECS[type(self).__dict__[_STANDS_FOR]]
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__}.forward takes {len(names)} positional arguments, got {len(args)}")
+        call = {**dict(zip(names, args)), **kwargs}
         labels = call.pop("labels")
         call.pop("logits_to_keep", None)
-        return_dict = call.get("return_dict", None)
+        return_dict = call.pop("return_dict", None)
         outputs = self.base_model(**call)
         head = self.get_output_embeddings()
         ignore_index = call.get("ignore_index", -100)
@@ -78,13 +78,25 @@ class FusedLossCausalLM(nn.Module):
         loss = linear_cross_entropy(outputs[0], head.weight, shift_labels.to(outputs[0].device), head.bias,
                                     ignore_index=ignore_index, num_items_in_batch=call.get("num_items_in_batch"),
                                     softcap=getattr(self.config, "final_logit_softcapping", None))
-        output_class = inspect.signature(own).return_annotation
-        if not dataclasses.is_dataclass(output_class):  # a string (postponed annotations) or none
-            from transformers.modeling_outputs import CausalLMOutputWithPast as output_class
-        fields = {f.name for f in dataclasses.fields(output_class)}
-        carried = {k: v for k, v in outputs.items() if k in fields and k not in ("loss", "logits")}
+        carried = {k: v for k, v in outputs.items() if k in fields}
         result = output_class(loss=loss, logits=None, **carried)
         return result.to_tuple() if return_dict is False else result
+
+
+# Per original class, read once at the switch (dynamo cannot trace inspect or dataclasses.fields):
+# forward's positional parameter names, its output class and the fields carried over from the base's.
+_SPECS: dict[type, tuple[list[str], type, frozenset]] = {}
+
+
+def _spec(cls: type) -> tuple[list[str], type, frozenset]:
+    signature = inspect.signature(cls.forward)
+    names = [n for n, p in signature.parameters.items() if n != "self" and p.kind in
+             (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    output_class = signature.return_annotation
+    if not dataclasses.is_dataclass(output_class):  # a string (postponed annotations) or none
+        from transformers.modeling_outputs import CausalLMOutputWithPast as output_class
+    fields = frozenset(f.name for f in dataclasses.fields(output_class)) - {"loss", "logits"}
+    return names, output_class, fields
 
 
 def fuse_lm_loss(model: nn.Module) -> list[Switched]:
@@ -98,6 +110,7 @@ def fuse_lm_loss(model: nn.Module) -> list[Switched]:
     original = type(model)
     if isinstance(model, FusedLossCausalLM):
         return []
+    _SPECS.setdefault(original, _spec(original))
     model.__class__ = as_original_class(FusedLossCausalLM, original)
     return [(model, original)]
 

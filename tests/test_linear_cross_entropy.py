@@ -1,0 +1,291 @@
+"""tempo.ops.linear_cross_entropy (the head and loss without logits) and the causal LMs apply_tempo
+switches to it (tempo.integrations.lm_loss): exact against F.linear + F.cross_entropy and against the
+stock models, every mode, every guard, nothing [tokens, vocab] kept, one graph under torch.compile."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from tempo.ops.linear_cross_entropy import chunk_rows, linear_cross_entropy
+
+transformers = pytest.importorskip("transformers")  # the hf extra; CI installs it
+
+from tempo import apply_tempo, revert_tempo  # noqa: E402
+from tempo.bert.hf_interop import minilm_dir  # noqa: E402
+from tempo.integrations.lm_loss import FusedLossCausalLM, fused_loss_reason  # noqa: E402
+
+MODES = {
+    "plain": {},
+    "smoothing": {"label_smoothing": 0.1},
+    "z-loss": {"z_loss": 1e-2},
+    "softcap": {"softcap": 2.5},
+    "all": {"label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 4.0},
+}
+
+
+def reference(x, w, t, b=None, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean",
+              num_items_in_batch=None):
+    """The materialised head and loss, as transformers computes them (logits upcast, then the loss)."""
+    z = F.linear(x, w, b).float() if x.dtype != torch.float64 else F.linear(x, w, b)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    red = "sum" if num_items_in_batch is not None else reduction
+    loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), t.reshape(-1), label_smoothing=label_smoothing, reduction=red)
+    if z_loss:
+        kept = t.reshape(-1) != -100
+        extra = z_loss * torch.logsumexp(z.reshape(-1, z.shape[-1]), -1).square() * kept
+        loss = loss + (extra.sum() / kept.sum() if red == "mean" else extra.sum() if red == "sum" else extra)
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def case(n=37, h=16, v=50, dtype=torch.float64, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g, dtype=dtype).requires_grad_()
+    w = torch.randn(v, h, generator=g, dtype=dtype).requires_grad_()
+    b = torch.randn(v, generator=g, dtype=dtype).requires_grad_() if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::3] = -100
+    return x, w, b, t
+
+
+def grads(loss, *tensors):
+    return torch.autograd.grad(loss, [t for t in tensors if t is not None])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none", "num_items"])
+@pytest.mark.parametrize("chunk", [1, 5, None])
+def test_fp64_equals_the_materialised_head_and_loss(mode, reduction, chunk):
+    x, w, b, t = case()
+    kw = dict(MODES[mode], **({"num_items_in_batch": torch.tensor(7.0)} if reduction == "num_items" else
+                              {"reduction": reduction}))
+    ours, ref = linear_cross_entropy(x, w, t, b, chunk=chunk, **kw), reference(x, w, t, b, **kw)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    seed = torch.randn(ref.shape, dtype=ref.dtype) if reduction == "none" else None
+    for a, r in zip(torch.autograd.grad(ours, (x, w, b), seed), torch.autograd.grad(ref, (x, w, b), seed)):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_every_mode_at_once():
+    x, w, b, t = case(n=11, h=4, v=9)
+    assert torch.autograd.gradcheck(lambda x, w, b: linear_cross_entropy(
+        x, w, t, b, chunk=3, label_smoothing=0.1, z_loss=0.01, softcap=2.0), (x, w, b))
+
+
+def test_the_real_minilm_embedding_as_a_tied_head_in_fp32():
+    """MiniLM's own [30522, 384] word embeddings (γ and β of its real LayerNorms shaped the
+    hidden states it gives), tied: one Parameter used as embedding and head, one gradient."""
+    weights = load_file(str(minilm_dir() / "model.safetensors"))
+    emb = torch.nn.Parameter(weights["embeddings.word_embeddings.weight"].float())
+    ids = torch.randint(0, emb.shape[0], (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+
+    def loss_and_grad(fused):
+        emb.grad = None
+        x = F.layer_norm(F.embedding(ids, emb), (384,)) * 3.0  # a real embedding row scale, normalised
+        loss = linear_cross_entropy(x, emb, labels) if fused else F.cross_entropy(
+            F.linear(x, emb).flatten(0, 1), labels.flatten())
+        loss.backward()
+        return loss.detach(), emb.grad.clone()
+
+    (l0, g0), (l1, g1) = loss_and_grad(False), loss_and_grad(True)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=0)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-5 * g0.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_no_further_from_fp32_than_the_stock_head(dtype):
+    x, w, b, t = case(n=64, h=32, v=300, dtype=torch.float32)
+    exact = reference(x, w, t, b, softcap=3.0)
+    exact_grads = grads(exact, x, w, b)
+    with torch.autocast("cpu", dtype=dtype):
+        stock = reference(x, w, t, b, softcap=3.0)
+        ours = linear_cross_entropy(x, w, t, b, chunk=16, softcap=3.0)
+    assert ours.dtype == torch.float32
+    assert (ours - exact).abs() <= 1.5 * (stock - exact).abs() + 1e-6
+    for a, s, e in zip(grads(ours, x, w, b), grads(stock, x, w, b), exact_grads):
+        assert a.dtype == e.dtype and (a - e).abs().max() <= 1.5 * (s - e).abs().max() + 1e-6
+
+
+def test_nothing_of_tokens_by_vocabulary_is_kept_for_backward():
+    """Saved for backward: the inputs themselves, 4 bytes of log-sum-exp per row and the mean's
+    divisor (the count of rows not ignored, 8 bytes), exactly."""
+    x, w, b, t = case(n=40, h=8, v=1000, dtype=torch.float32)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        linear_cross_entropy(x, w, t, b)
+    inputs = {x.data_ptr(), w.data_ptr(), b.data_ptr(), t.data_ptr()}
+    new = [s for s in saved if s.data_ptr() not in inputs]
+    assert sum(s.numel() * s.element_size() for s in new) == 40 * 4 + 8
+
+
+def test_ignored_rows_never_reach_the_gemm(monkeypatch):
+    x, w, b, t = case(n=30, h=8, v=20, dtype=torch.float32)
+    rows = []
+    original = F.linear
+    monkeypatch.setattr(F, "linear", lambda a, *r: rows.append(a.shape[0]) or original(a, *r))
+    linear_cross_entropy(x, w, t, b, chunk=4).backward()
+    assert sum(rows) == 2 * int((t != -100).sum())  # forward and backward's recompute, labelled rows only
+
+
+def test_every_row_ignored_gives_what_cross_entropy_gives():
+    x, w, b, t = case(n=6, h=4, v=5, dtype=torch.float32)
+    t[:] = -100
+    assert torch.isnan(linear_cross_entropy(x, w, t, b)) and torch.isnan(reference(x, w, t, b))
+    loss = linear_cross_entropy(x, w, t, b, reduction="sum")
+    assert loss.item() == 0.0
+    assert all(g.abs().sum() == 0 for g in grads(loss, x, w, b))
+
+
+def test_a_vocabulary_divisible_by_nothing_and_no_bias():
+    x, w, _b, t = case(n=13, h=7, v=9973, bias=False)
+    torch.testing.assert_close(linear_cross_entropy(x, w, t, chunk=4), reference(x, w, t), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad, match", [(50, r"a target is 50, outside \[0, 50\)"), (-1, "a target is -1")])
+def test_a_target_outside_the_vocabulary_is_refused_in_one_line(bad, match):
+    x, w, b, t = case()
+    t[4] = bad
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(x, w, t, b)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a.update(w=a["w"][:, :3]), "do not multiply"),
+    (lambda a: a.update(b=a["b"][:4]), "bias has shape"),
+    (lambda a: a.update(t=a["t"][:3]), "target must be integers"),
+    (lambda a: a.update(t=a["t"].float()), "target must be integers"),
+    (lambda a: a.update(reduction="avg"), "reduction='avg'"),
+    (lambda a: a.update(label_smoothing=1.5), "label_smoothing=1.5"),
+    (lambda a: a.update(softcap=0.0), "softcap=0.0 must be positive"),
+    (lambda a: a.update(chunk=0), "chunk=0"),
+    (lambda a: a.update(x=a["x"].long()), "x"),
+])
+def test_bad_arguments_are_refused_naming_them(change, match):
+    x, w, b, t = case()
+    args = {"x": x, "w": w, "b": b, "t": t}
+    change(args)
+    x, w, b, t = args.pop("x"), args.pop("w"), args.pop("b"), args.pop("t")
+    with pytest.raises((ValueError, TypeError), match=match):
+        linear_cross_entropy(x, w, t, b, **args)
+
+
+def test_chunks_hold_about_the_hidden_states():
+    assert chunk_rows(8192, 151936, 1024) == 56 and chunk_rows(10, 100, 8) == 16
+
+
+def test_compiled_fullgraph_gives_the_eager_loss_and_gradients():
+    x, w, b, t = case(dtype=torch.float32)
+    fn = torch.compile(lambda x, w, b: linear_cross_entropy(x, w, t, b, label_smoothing=0.1), fullgraph=True,
+                       backend="aot_eager")
+    torch.testing.assert_close(fn(x, w, b), linear_cross_entropy(x, w, t, b, label_smoothing=0.1))
+    for a, e in zip(grads(fn(x, w, b), x, w, b), grads(linear_cross_entropy(x, w, t, b, label_smoothing=0.1), x, w, b)):
+        torch.testing.assert_close(a, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# The causal LMs apply_tempo switches (tempo.integrations.lm_loss)
+# ---------------------------------------------------------------------------------------------
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=97, head_dim=8)
+MODELS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, tie_word_embeddings=True)),
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**SMALL, final_logit_softcapping=5.0)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=97, bos_token_id=0, eos_token_id=0)),
+}
+
+
+def pair(name):
+    torch.manual_seed(0)
+    stock = MODELS[name]().train()
+    for m in stock.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return stock, apply_tempo(copy.deepcopy(stock)).train()
+
+
+def step(model, *args, **kwargs):
+    model.zero_grad()
+    out = model(*args, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("call", ["labels", "num_items_in_batch", "shift_labels", "tuple"])
+def test_a_causal_lm_step_equals_the_stock_one_without_logits(name, call):
+    stock, tempo = pair(name)
+    assert isinstance(tempo, FusedLossCausalLM) and isinstance(tempo, type(stock))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    kwargs = {"labels": labels}
+    if call == "num_items_in_batch":
+        kwargs["num_items_in_batch"] = torch.tensor(7)
+    if call == "shift_labels":
+        kwargs["shift_labels"] = labels.roll(1, 1)
+    if call == "tuple":
+        kwargs["return_dict"] = False
+        (l0, logits0, *_), (l1, *rest) = stock(ids, **kwargs), tempo(ids, **kwargs)
+        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=0)
+        assert logits0.shape == (2, 9, 97) and all(not isinstance(r, torch.Tensor) or r.dim() != 3 for r in rest)
+        return
+    (o0, g0), (o1, g1) = step(stock, ids, **kwargs), step(tempo, ids, **kwargs)
+    torch.testing.assert_close(o1.loss, o0.loss, rtol=1e-5, atol=0)
+    assert o1.logits is None and o0.logits.shape == (2, 9, 97) and g1.keys() == g0.keys()
+    for key in g0:
+        torch.testing.assert_close(g1[key], g0[key], rtol=1e-5, atol=1e-5 * g0[key].abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gpt2"])
+def test_eval_no_grad_and_no_labels_return_the_stock_logits(name):
+    stock, tempo = pair(name)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(tempo(ids).logits, stock(ids).logits)
+    with torch.no_grad():
+        torch.testing.assert_close(tempo(ids, labels=ids).logits, stock(ids, labels=ids).logits)
+    stock.eval(), tempo.eval()
+    out = tempo(ids, labels=ids)
+    torch.testing.assert_close(out.logits, stock(ids, labels=ids).logits)
+    assert out.loss is not None
+
+
+def test_revert_pickle_and_deepcopy_of_a_switched_lm():
+    stock, tempo = pair("llama")
+    for other in (copy.deepcopy(tempo), pickle.loads(pickle.dumps(tempo))):
+        assert type(other) is type(tempo)
+    revert_tempo(tempo)
+    assert type(tempo) is type(stock)
+
+
+def test_lm_loss_false_leaves_the_head_and_loss_alone():
+    model = apply_tempo(MODELS["llama"](), lm_loss=False).train()
+    assert not isinstance(model, FusedLossCausalLM)
+    assert model(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).logits is not None
+    with pytest.raises(TypeError, match="argument 'lm_loss' must be True or False"):
+        apply_tempo(MODELS["llama"](), lm_loss="yes")
+
+
+def test_what_is_not_fused_says_why(caplog):
+    moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**SMALL, output_router_logits=True))
+    assert fused_loss_reason(moe) == "Qwen3MoeForCausalLM adds a router loss to the cross-entropy"
+    assert fused_loss_reason(transformers.BertModel(transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))) == \
+        "BertModel is not a transformers causal LM"
+    with caplog.at_level("INFO", logger="tempo.integrations.patch"):
+        assert not isinstance(apply_tempo(moe), FusedLossCausalLM)
+    assert any("adds a router loss" in m for m in caplog.messages)
