@@ -83,8 +83,9 @@ FAMILY_DEPTH = {"bert-large": (24, 30522), "minilm": (6, 30522), "deberta-v3-lar
                 "embeddinggemma-300m": (24, 262144), "nomicbert": (12, 30528), "gte-multilingual-base": (12, 250048),
                 "jina-v3": (24, 250002), "llama-3.2-1b": (16, 128256), "qwen3-0.6b": (28, 151936)}
 # The heads a model is built with (build_family's task): masked-LM logits for every position, as
-# transformers' *ForMaskedLM trains; the encoder alone; a sequence classifier.
-TASKS = {"mlm": "AutoModelForMaskedLM", "encoder": "AutoModel", "classification": "AutoModelForSequenceClassification"}
+# transformers' *ForMaskedLM trains; a decoder's causal-LM head; the encoder alone; a sequence classifier.
+TASKS = {"mlm": "AutoModelForMaskedLM", "causal-lm": "AutoModelForCausalLM", "encoder": "AutoModel",
+         "classification": "AutoModelForSequenceClassification"}
 # Config classes whose positions count from padding_idx + 1 (RoBERTa's rule): 2 rows of the table unused.
 _POSITIONS_AFTER_PADDING = {"MPNetConfig", "RobertaConfig", "XLMRobertaConfig"}
 

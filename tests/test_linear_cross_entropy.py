@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tempo.ops.linear_cross_entropy import chunk_rows, linear_cross_entropy
+from tempo.ops.linear_cross_entropy import vocab_block, linear_cross_entropy
 
 transformers = pytest.importorskip("transformers")  # the hf extra; CI installs it
 
@@ -60,12 +60,12 @@ def grads(loss, *tensors):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none", "num_items"])
-@pytest.mark.parametrize("chunk", [1, 5, None])
-def test_fp64_equals_the_materialised_head_and_loss(mode, reduction, chunk):
+@pytest.mark.parametrize("block", [1, 7, None])
+def test_fp64_equals_the_materialised_head_and_loss(mode, reduction, block):
     x, w, b, t = case()
     kw = dict(MODES[mode], **({"num_items_in_batch": torch.tensor(7.0)} if reduction == "num_items" else
                               {"reduction": reduction}))
-    ours, ref = linear_cross_entropy(x, w, t, b, chunk=chunk, **kw), reference(x, w, t, b, **kw)
+    ours, ref = linear_cross_entropy(x, w, t, b, block=block, **kw), reference(x, w, t, b, **kw)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
     seed = torch.randn(ref.shape, dtype=ref.dtype) if reduction == "none" else None
     for a, r in zip(torch.autograd.grad(ours, (x, w, b), seed), torch.autograd.grad(ref, (x, w, b), seed)):
@@ -75,7 +75,7 @@ def test_fp64_equals_the_materialised_head_and_loss(mode, reduction, chunk):
 def test_gradcheck_every_mode_at_once():
     x, w, b, t = case(n=11, h=4, v=9)
     assert torch.autograd.gradcheck(lambda x, w, b: linear_cross_entropy(
-        x, w, t, b, chunk=3, label_smoothing=0.1, z_loss=0.01, softcap=2.0), (x, w, b))
+        x, w, t, b, block=3, label_smoothing=0.1, z_loss=0.01, softcap=2.0), (x, w, b))
 
 
 def test_the_real_minilm_embedding_as_a_tied_head_in_fp32():
@@ -107,7 +107,7 @@ def test_under_autocast_no_further_from_fp32_than_the_stock_head(dtype):
     exact_grads = grads(exact, x, w, b)
     with torch.autocast("cpu", dtype=dtype):
         stock = reference(x, w, t, b, softcap=3.0)
-        ours = linear_cross_entropy(x, w, t, b, chunk=16, softcap=3.0)
+        ours = linear_cross_entropy(x, w, t, b, block=16, softcap=3.0)
     assert ours.dtype == torch.float32
     assert (ours - exact).abs() <= 1.5 * (stock - exact).abs() + 1e-6
     for a, s, e in zip(grads(ours, x, w, b), grads(stock, x, w, b), exact_grads):
@@ -136,8 +136,9 @@ def test_ignored_rows_never_reach_the_gemm(monkeypatch):
     rows = []
     original = F.linear
     monkeypatch.setattr(F, "linear", lambda a, *r: rows.append(a.shape[0]) or original(a, *r))
-    linear_cross_entropy(x, w, t, b, chunk=4).backward()
-    assert sum(rows) == 2 * int((t != -100).sum())  # forward and backward's recompute, labelled rows only
+    linear_cross_entropy(x, w, t, b, block=4).backward()
+    # forward and backward's recompute, 5 blocks of 4 columns each, the labelled rows only
+    assert rows == [int((t != -100).sum())] * 10
 
 
 def test_every_row_ignored_gives_what_cross_entropy_gives():
@@ -151,7 +152,7 @@ def test_every_row_ignored_gives_what_cross_entropy_gives():
 
 def test_a_vocabulary_divisible_by_nothing_and_no_bias():
     x, w, _b, t = case(n=13, h=7, v=9973, bias=False)
-    torch.testing.assert_close(linear_cross_entropy(x, w, t, chunk=4), reference(x, w, t), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(linear_cross_entropy(x, w, t, block=4), reference(x, w, t), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("bad, match", [(50, r"a target is 50, outside \[0, 50\)"), (-1, "a target is -1")])
@@ -170,7 +171,7 @@ def test_a_target_outside_the_vocabulary_is_refused_in_one_line(bad, match):
     (lambda a: a.update(reduction="avg"), "reduction='avg'"),
     (lambda a: a.update(label_smoothing=1.5), "label_smoothing=1.5"),
     (lambda a: a.update(softcap=0.0), "softcap=0.0 must be positive"),
-    (lambda a: a.update(chunk=0), "chunk=0"),
+    (lambda a: a.update(block=0), "block=0"),
     (lambda a: a.update(x=a["x"].long()), "x"),
 ])
 def test_bad_arguments_are_refused_naming_them(change, match):
@@ -182,8 +183,8 @@ def test_bad_arguments_are_refused_naming_them(change, match):
         linear_cross_entropy(x, w, t, b, **args)
 
 
-def test_chunks_hold_about_the_hidden_states():
-    assert chunk_rows(8192, 151936, 1024) == 56 and chunk_rows(10, 100, 8) == 16
+def test_a_block_of_logits_is_twice_the_hidden_width():
+    assert (vocab_block(151936, 1024), vocab_block(100, 8), vocab_block(1000, 8)) == (2048, 100, 256)
 
 
 def test_compiled_fullgraph_gives_the_eager_loss_and_gradients():

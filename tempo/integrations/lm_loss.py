@@ -56,7 +56,10 @@ def fused_loss_reason(model: nn.Module) -> Optional[str]:
 
 class FusedLossCausalLM(nn.Module):
     """A causal LM whose forward, in training with labels, computes the loss without the logits
-    (module docstring); its own forward everywhere else."""
+    (module docstring); its own forward everywhere else. The switched model's class keeps the
+    original's name and forward signature (``as_original_class``)."""
+
+    keeps_original_name = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         own = super(FusedLossCausalLM, self).forward

@@ -38,6 +38,7 @@ it stay valid (tempo.integrations.projections, tempo.integrations.dropouts).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -142,14 +143,23 @@ def as_original_class(tempo_cls: type, original_cls: type) -> type:
         return tempo_cls
     key = (tempo_cls, original_cls)
     if key not in _AS_ORIGINAL:
+        # A whole model's class (tempo_cls.keeps_original_name) keeps the original's name, which
+        # transformers reads (save_pretrained's "architectures", the loss type), and its forward's
+        # signature, which callers inspect for the arguments it takes.
+        named = original_cls if getattr(tempo_cls, "keeps_original_name", False) else tempo_cls
         namespace = {
             _STANDS_FOR: original_cls,
-            "__module__": tempo_cls.__module__,
-            "__qualname__": tempo_cls.__qualname__,
-            "__doc__": tempo_cls.__doc__,
+            "__module__": named.__module__,
+            "__qualname__": named.__qualname__,
+            "__doc__": named.__doc__,
             "__reduce_ex__": _reduce_replacement,
         }
-        _AS_ORIGINAL[key] = type(tempo_cls.__name__, (tempo_cls, original_cls), namespace)
+        if named is original_cls:
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                return tempo_cls.forward(self, *args, **kwargs)
+
+            namespace["forward"] = functools.wraps(original_cls.forward)(forward)
+        _AS_ORIGINAL[key] = type(named.__name__, (tempo_cls, original_cls), namespace)
     return _AS_ORIGINAL[key]
 
 

@@ -645,6 +645,62 @@ def _dal_backward(call: OpCall, target: Target) -> list[Kernel]:
             + _partial_sums(programs, n, params))
 
 
+def _linear_cross_entropy(call: OpCall, backward: bool) -> list[Kernel]:
+    """tempo.ops.linear_cross_entropy's blocks as its PyTorch code runs them on CUDA (every row
+    counted as kept: a trace cannot read the targets). Forward, per block of vocabulary columns: the
+    weight block's cast, the GEMM (rows x block), its fp32 copy, softcap (3 passes), logsumexp (max,
+    z − max, exp, sum: 4 passes); backward the same GEMM and copy, exp(z − lse) (2 passes), the
+    scale, softcap's derivative (3), the 16-bit dz, and two GEMMs: the rows' gradient (added into
+    an fp32 sum) and the block's weight gradient (written once). Before the blocks: the kept rows'
+    gather and cast; backward's end: the rows' gradient scattered into a zeroed dx."""
+    x, weight = call.arg("x"), call.arg("weight")
+    dtype, block, softcap = call.arg("dtype"), call.arg("block"), call.arg("softcap") > 0
+    rows, hidden = x.shape
+    vocab = weight.shape[0]
+    ds, acc = _size(dtype), 4
+    kernels = [Kernel("x.index_select(kept rows).to(dtype)", ELEMENTWISE, rows * hidden * x.itemsize,
+                      rows * hidden * ds)]
+    for v0 in range(0, vocab, block):
+        cols = min(block, vocab - v0)
+        logits = rows * cols
+        if weight.dtype != dtype:
+            kernels.append(Kernel("weight[block].to(dtype)", ELEMENTWISE, cols * hidden * weight.itemsize,
+                                  cols * hidden * ds))
+        kernels.append(Kernel("linear(x, weight[block])", CONTRACTION, (rows + cols) * hidden * ds, logits * ds,
+                              2 * logits * hidden, dtype))
+        kernels.append(Kernel("logits.float()", ELEMENTWISE, logits * ds, logits * acc))
+        passes = 3 if softcap else 0
+        if backward:
+            passes += 2 + 1 + (3 if softcap else 0)  # z − lse and exp; the scale; softcap's derivative
+            kernels.append(Kernel("dz.to(dtype)", ELEMENTWISE, logits * acc, logits * ds))
+            kernels.append(Kernel("dz @ weight[block] (+= in fp32)", CONTRACTION, logits * ds + cols * hidden * ds,
+                                  rows * hidden * ds, 2 * logits * hidden, dtype))
+            kernels.append(Kernel("dx_sum += (fp32)", ELEMENTWISE, rows * hidden * (ds + acc), rows * hidden * acc))
+            kernels.append(Kernel("dzᵀ @ x (the block's weight gradient)", CONTRACTION,
+                                  logits * ds + rows * hidden * ds, cols * hidden * weight.itemsize,
+                                  2 * logits * hidden, dtype))
+        else:
+            passes += 4  # logsumexp: max, z − max, exp, sum
+        kernels.append(Kernel("the block's element-wise passes", ELEMENTWISE, passes * logits * acc,
+                              passes * logits * acc))
+    if backward:
+        kernels.append(Kernel("dx.index_copy_(kept rows)", ELEMENTWISE, rows * hidden * acc,
+                              rows * hidden * x.itemsize * 2))
+    return kernels
+
+
+@declares("tempo.linear_cross_entropy_fwd")
+def _linear_cross_entropy_forward(call: OpCall, target: Target) -> list[Kernel]:
+    """See ``_linear_cross_entropy``."""
+    return _linear_cross_entropy(call, backward=False)
+
+
+@declares("tempo.linear_cross_entropy_bwd")
+def _linear_cross_entropy_backward(call: OpCall, target: Target) -> list[Kernel]:
+    """See ``_linear_cross_entropy``."""
+    return _linear_cross_entropy(call, backward=True)
+
+
 def _combined_row_kernel(n_cols: int, base: str) -> str:
     from tempo.ops.combined import SINGLE_PASS_MAX
 

@@ -1,18 +1,22 @@
 """The language-model head and its cross-entropy in one op that never keeps the logits (issue 41).
 
 ``linear_cross_entropy(x, weight, target)`` is ``F.cross_entropy(F.linear(x, weight, bias).float(),
-target)`` over rows of x, computed a chunk of rows at a time: one chunk's logits [rows, vocab] live
-for a moment, none is kept for backward. What is kept per row is its log-sum-exp (4 bytes); the
-stock head keeps the logits' 16-bit copy and cross-entropy's fp32 softmax (6 bytes per row and
+target)`` over rows of x, computed a block of vocabulary columns at a time (``vocab_block``: 2·hidden
+columns): one block's logits [rows, block] live for a moment, none is kept for backward. What is kept
+per row is its log-sum-exp (4 bytes), combined over the blocks as they pass (logaddexp); the stock
+head keeps the logits' 16-bit copy and cross-entropy's fp32 log-softmax (6 bytes per row and
 vocabulary entry: 0.9 GiB per 1,024 tokens at Qwen3's 152k vocabulary).
 
-Backward recomputes each chunk's logits from x and the weight: one more GEMM of 2·rows·vocab·hidden
+Backward recomputes each block's logits from x and the weight: one more GEMM of 2·rows·vocab·hidden
 FLOPs (the head's forward again: backward costs 3 GEMMs where stock's costs 2), then the exact
-gradient from the kept log-sum-exp: softmax = exp(z − lse). Nothing is recovered from a rounded
-output (the logits are recomputed by the same GEMM on the same operands, bitwise on the CPU), so
-there is no condition on the values.
+gradient from the kept log-sum-exp, softmax = exp(z − lse). Each block's weight gradient is one GEMM
+over all rows, written once; the rows' gradient is summed over blocks in fp32. Blocks over the
+vocabulary rather than chunks of rows: a row chunk would add its partial weight gradient into a
+[vocab, hidden] accumulator, reading and writing it once per chunk. Nothing is recovered from a
+rounded output (the logits are recomputed by the same GEMM on the same operands, bitwise on the CPU),
+so there is no condition on the values.
 
-Ignored rows (``target == ignore_index``) are dropped before the GEMM (inside the op, so the op's
+Ignored rows (``target == ignore_index``) are dropped before the GEMMs (inside the op, so the op's
 shapes stay static under ``torch.compile``): a masked-LM batch with 15 % labelled positions pays
 15 % of the head. Per row the loss is, with z the row's logits (after ``softcap``: c·tanh(z/c),
 Gemma's final-logit softcapping), t its target, ε the label smoothing and λ the z-loss weight:
@@ -23,15 +27,17 @@ Gemma's final-logit softcapping), t its target, ε the label smoothing and λ th
 ignored: NaN when every row is ignored, as ``F.cross_entropy``) or "none"; ``num_items_in_batch``
 divides the sum instead (transformers' gradient-accumulation convention).
 
-Precision: the GEMM runs in ``dtype`` (the autocast dtype, else x's) as stock's ``F.linear`` does;
-everything after it (log-sum-exp, softmax, the gradient of the logits) in fp32, as transformers'
-``logits.float()``; the weight's gradient is summed over chunks in fp32. So fp32 results equal the
-stock head's to fp32 rounding and 16-bit ones are no further from the fp32 reference than stock's.
+Precision: the GEMMs run in ``dtype`` (the autocast dtype, else x's) as stock's ``F.linear`` does;
+everything after them (log-sum-exp, softmax, the logits' gradient) in fp32, as transformers'
+``logits.float()``. fp32 results equal the stock head's to fp32 rounding. In 16 bits the rows'
+gradient is a sum of per-block GEMM outputs each rounded to 16 bits (stock rounds one GEMM output),
+summed in fp32: tests hold it within 1.5x of stock's own error against fp32.
 
-One implementation, PyTorch's GEMMs over chunks (cuBLAS on CUDA), on every device: the work is the
-GEMMs, and a Triton kernel for the element-wise part in between is not written yet. torch 2.13's
-``F.linear_cross_entropy`` is not used: it is absent from torch 2.11 and has no smoothing, z-loss or
-softcap in its chunked path, so results would change with the torch version.
+One implementation, PyTorch's GEMMs over blocks (cuBLAS on CUDA), on every device: the work is the
+GEMMs; a Triton kernel for the element-wise part between them (which reads and writes each block's
+logits about six times) is not written yet. torch 2.13's ``F.linear_cross_entropy`` is not used: it
+is absent from torch 2.11 and has no smoothing, z-loss or softcap in its chunked path, so results
+would change with the torch version.
 """
 
 from __future__ import annotations
@@ -49,10 +55,10 @@ OP = "linear_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: one chunk's fp32 logits about as large as the rows' hidden states (Liger's
-    rule), at least 16 rows so small batches are not split row by row."""
-    return max(16, math.ceil(rows * hidden / max(vocab, 1)))
+def vocab_block(vocab: int, hidden: int) -> int:
+    """Vocabulary columns per block: 2·hidden (at least 256), so one block's fp32 logits over the rows
+    are twice their fp32 hidden states; the whole vocabulary when it is smaller."""
+    return min(vocab, max(256, 2 * hidden))
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -60,11 +66,20 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: float) -> Tensor:
-    """fp32 logits of rows x (weight and bias already in the GEMM's dtype), softcapped when > 0."""
-    z = F.linear(x, weight, bias)
-    z = z.to(_acc(z.dtype))
+def _block_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int, dtype: torch.dtype,
+                  softcap: float) -> Tensor:
+    """The rows' logits over vocabulary columns [v0, v1), from x already in the GEMM's ``dtype``: the
+    GEMM in ``dtype``, then fp32 (softcapped when ``softcap`` > 0)."""
+    b = bias[v0:v1].to(dtype) if bias is not None else None
+    z = F.linear(x, weight[v0:v1].to(dtype), b)
+    z = z.to(_acc(dtype))
     return torch.tanh(z / softcap).mul_(softcap) if softcap > 0 else z
+
+
+def _target_in_block(target: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """(rows whose target is in [v0, v1) as a bool mask, their column in the block; 0 elsewhere)."""
+    inside = (target >= v0) & (target < v1)
+    return inside, torch.where(inside, target - v0, 0)
 
 
 def _kept_rows(target: Tensor, ignore_index: int, vocab: int) -> Tensor:
@@ -77,67 +92,90 @@ def _kept_rows(target: Tensor, ignore_index: int, vocab: int) -> Tensor:
     return rows
 
 
+def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+             smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype, block: int) -> tuple[Tensor, Tensor]:
+    acc = _acc(dtype)
+    loss = x.new_zeros(x.shape[0], dtype=acc)
+    lse = torch.zeros_like(loss)
+    rows = _kept_rows(target, ignore_index, weight.shape[0])
+    xk, tk = x.index_select(0, rows).to(dtype), target.index_select(0, rows)
+    row_lse = torch.full((rows.numel(),), -math.inf, dtype=acc, device=x.device)
+    z_target, z_sum = torch.zeros_like(row_lse), torch.zeros_like(row_lse)
+    for v0 in range(0, weight.shape[0], block):
+        v1 = min(v0 + block, weight.shape[0])
+        z = _block_logits(xk, weight, bias, v0, v1, dtype, softcap)
+        row_lse = torch.logaddexp(row_lse, torch.logsumexp(z, dim=-1))
+        inside, column = _target_in_block(tk, v0, v1)
+        z_target += torch.where(inside, z.gather(1, column[:, None]).squeeze(1), 0)
+        if smoothing:
+            z_sum += z.sum(dim=-1)
+    row_loss = row_lse - z_target
+    if smoothing:
+        row_loss = (1 - smoothing) * row_loss + smoothing * (row_lse - z_sum / weight.shape[0])
+    if z_loss:
+        row_loss = row_loss + z_loss * row_lse.square()
+    return loss.index_copy_(0, rows, row_loss), lse.index_copy_(0, rows, row_lse)
+
+
 @torch.library.custom_op("tempo::linear_cross_entropy_fwd", mutates_args=())
 def _fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
-            smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype, chunk: int) -> tuple[Tensor, Tensor]:
+            smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype, block: int) -> tuple[Tensor, Tensor]:
     """x [N, h], weight [V, h], target [N] -> (loss per row, log-sum-exp per row), both fp32 [N],
     0 at ignored rows."""
-    loss = x.new_zeros(x.shape[0], dtype=_acc(dtype))
-    lse = torch.zeros_like(loss)
-    w = weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
-    for rows in _kept_rows(target, ignore_index, weight.shape[0]).split(chunk):
-        z = _logits(x.index_select(0, rows).to(dtype), w, b, softcap)
-        row_lse = torch.logsumexp(z, dim=-1)
-        row_loss = row_lse - z.gather(1, target.index_select(0, rows)[:, None]).squeeze(1)
-        if smoothing:
-            row_loss = (1 - smoothing) * row_loss + smoothing * (row_lse - z.mean(dim=-1))
-        if z_loss:
-            row_loss = row_loss + z_loss * row_lse.square()
-        loss.index_copy_(0, rows, row_loss)
-        lse.index_copy_(0, rows, row_lse)
-    return loss, lse
+    return _forward(x, weight, bias, target, ignore_index, smoothing, z_loss, softcap, dtype, block)
 
 
 @_fwd_op.register_fake
-def _(x, weight, bias, target, ignore_index, smoothing, z_loss, softcap, dtype, chunk):
+def _(x, weight, bias, target, ignore_index, smoothing, z_loss, softcap, dtype, block):
     loss = x.new_empty(x.shape[0], dtype=_acc(dtype))
     return loss, torch.empty_like(loss)
+
+
+def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
+                   ignore_index: int, smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype,
+                   block: int) -> tuple[Tensor, Tensor, Tensor]:
+    vocab = weight.shape[0]
+    acc = _acc(dtype)
+    dw = torch.empty_like(weight)
+    db = torch.empty(vocab if bias is not None else 0, dtype=bias.dtype if bias is not None else acc,
+                     device=weight.device)
+    rows = _kept_rows(target, ignore_index, vocab)
+    xk, tk = x.index_select(0, rows).to(dtype), target.index_select(0, rows)
+    row_lse, g = lse.index_select(0, rows), grad.index_select(0, rows).to(acc)
+    dxk = torch.zeros(xk.shape, dtype=acc, device=x.device)
+    scale = (g * (1 + 2 * z_loss * row_lse))[:, None]
+    for v0 in range(0, vocab, block):
+        v1 = min(v0 + block, vocab)
+        z = _block_logits(xk, weight, bias, v0, v1, dtype, softcap)
+        # d loss / d z = softmax·(1 + 2λ·lse) − (1 − ε)·onehot(t) − ε/V, times the row's upstream gradient
+        dz = torch.exp(z - row_lse[:, None]).mul_(scale)
+        inside, column = _target_in_block(tk, v0, v1)
+        dz.scatter_add_(1, column[:, None], -(g * (1 - smoothing) * inside)[:, None])
+        if smoothing:
+            dz.sub_((g * smoothing / vocab)[:, None])
+        if softcap > 0:  # z = c·tanh(u/c): dz/du = 1 − (z/c)²
+            dz.mul_(1 - (z / softcap).square())
+        del z
+        dz = dz.to(dtype)
+        dxk += dz.mm(weight[v0:v1].to(dtype))
+        dw[v0:v1] = dz.t().mm(xk)
+        if bias is not None:
+            db[v0:v1] = dz.sum(0, dtype=acc)
+    dx = torch.zeros_like(x).index_copy_(0, rows, dxk.to(x.dtype))
+    return dx, dw, db
 
 
 @torch.library.custom_op("tempo::linear_cross_entropy_bwd", mutates_args=())
 def _bwd_op(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
             ignore_index: int, smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype,
-            chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+            block: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dx like x, dweight like weight, dbias like bias or empty) of the loss per row with upstream
-    gradient ``grad`` [N]; each chunk's logits recomputed, softmax = exp(z − lse)."""
-    vocab = weight.shape[0]
-    dx = torch.zeros_like(x)
-    dw = torch.zeros(weight.shape, dtype=_acc(dtype), device=weight.device)
-    db = torch.zeros(vocab if bias is not None else 0, dtype=_acc(dtype), device=weight.device)
-    w = weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
-    for rows in _kept_rows(target, ignore_index, vocab).split(chunk):
-        xc = x.index_select(0, rows).to(dtype)
-        z = _logits(xc, w, b, softcap)
-        row_lse, g = lse.index_select(0, rows), grad.index_select(0, rows).to(z.dtype)
-        # d loss / d z = softmax·(1 + 2λ·lse) − (1 − ε)·onehot(t) − ε/V, times the row's upstream gradient
-        dz = torch.exp(z - row_lse[:, None]).mul_((g * (1 + 2 * z_loss * row_lse))[:, None])
-        dz.scatter_add_(1, target.index_select(0, rows)[:, None], -(g * (1 - smoothing))[:, None])
-        if smoothing:
-            dz.sub_((g * smoothing / vocab)[:, None])
-        if softcap > 0:  # z = c·tanh(u/c): dz/du = 1 − (z/c)²
-            dz.mul_(1 - (z / softcap).square())
-        dz = dz.to(dtype)
-        dx.index_copy_(0, rows, dz.mm(w).to(x.dtype))
-        dw.add_(dz.t().mm(xc))
-        if bias is not None:
-            db.add_(dz.sum(0))
-    return dx, dw.to(weight.dtype), db.to(bias.dtype if bias is not None else db.dtype)
+    gradient ``grad`` [N]; each block's logits recomputed, softmax = exp(z − lse)."""
+    return _backward_impl(grad, x, weight, bias, target, lse, ignore_index, smoothing, z_loss, softcap, dtype, block)
 
 
 @_bwd_op.register_fake
-def _(grad, x, weight, bias, target, lse, ignore_index, smoothing, z_loss, softcap, dtype, chunk):
+def _(grad, x, weight, bias, target, lse, ignore_index, smoothing, z_loss, softcap, dtype, block):
     db = weight.new_empty(weight.shape[0] if bias is not None else 0,
                           dtype=bias.dtype if bias is not None else _acc(dtype))
     return torch.empty_like(x), torch.empty_like(weight), db
@@ -159,11 +197,47 @@ def _backward(ctx, grad_loss, _grad_lse):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def scratch_bytes(rows: int, vocab: int, hidden: int, block: int, x_dtype: torch.dtype, weight_dtype: torch.dtype,
+                  dtype: torch.dtype, softcap: bool, backward: bool) -> int:
+    """Bytes the op holds at its internal peak beyond its inputs and outputs, for ``rows`` kept rows:
+    what a memory trace that sees the op but not the ops inside it must add at that op (tempo.plan's
+    timeline does). The rows in the GEMM's dtype (and, in backward, their fp32 gradient), then the
+    largest moment of one block: the weight block's cast and the GEMM's output; the GEMM's output and
+    its fp32 copy; three fp32 blocks (logsumexp's z − max and its exp beside z, or the softcap's); in
+    backward exp(z − lse) beside those (four with softcap), then the 16-bit dz beside the fp32 one
+    with the rows' partial gradient. ~40 bytes per row of vectors (indices, lse, targets)."""
+    ds, xs, acc = (torch.empty((), dtype=d).element_size() for d in (dtype, x_dtype, _acc(dtype)))
+    cast = block * hidden * ds if weight_dtype != dtype else 0
+    logits = rows * block
+    moments = [cast + logits * ds, logits * (ds + acc), 3 * logits * acc]
+    base = rows * hidden * ds + 40 * rows
+    if backward:
+        base += rows * hidden * acc
+        moments += [(4 if softcap else 3) * logits * acc, logits * (acc + ds) + cast + rows * hidden * ds,
+                    logits * ds + block * hidden * ds]
+        return max(base + max(moments), rows * hidden * (ds + acc + xs))
+    return base + max(moments)
+
+
+def _scratch_of_call(args: tuple, backward: bool) -> int:
+    """``scratch_bytes`` of one call of the forward or backward op, from its arguments (every row
+    counted as kept: a trace on fake tensors cannot read the targets)."""
+    x, weight = args[1:3] if backward else args[0:2]
+    softcap, dtype, block = args[-3:]
+    return scratch_bytes(x.shape[0], weight.shape[0], x.shape[1], block, x.dtype, weight.dtype, dtype, softcap > 0,
+                         backward)
+
+
+# The op packet -> the bytes it holds inside beyond its outputs (tempo.plan.trace adds them at the op).
+SCRATCH = {"tempo.linear_cross_entropy_fwd": lambda args: _scratch_of_call(args, False),
+           "tempo.linear_cross_entropy_bwd": lambda args: _scratch_of_call(args, True)}
+
+
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean",
                          num_items_in_batch: Union[Tensor, int, None] = None, label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: Optional[float] = None,
-                         chunk: Optional[int] = None) -> Tensor:
+                         block: Optional[int] = None) -> Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias).float(), target, ...)`` without the logits (module
     docstring). x [..., h], weight [V, h], target [...] of integers (``ignore_index`` rows dropped),
     bias [V] or None. ``num_items_in_batch`` (with reduction "mean") divides the sum instead of the
@@ -184,14 +258,14 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
         raise ValueError(f"{OP}: label_smoothing={label_smoothing} is outside [0, 1]")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"{OP}: softcap={softcap} must be positive (or None for no softcapping)")
-    if chunk is not None and int(chunk) < 1:
-        raise ValueError(f"{OP}: chunk={chunk} must be a positive number of rows")
+    if block is not None and int(block) < 1:
+        raise ValueError(f"{OP}: block={block} must be a positive number of vocabulary columns")
     h = x.shape[-1]
     rows = x.reshape(-1, h)
     dtype = autocast_dtype_for(rows) or rows.dtype
     loss, _lse = _fwd_op(rows.contiguous(), weight, bias, target.reshape(-1).long(), int(ignore_index),
                          float(label_smoothing), float(z_loss), float(softcap or 0.0), dtype,
-                         int(chunk or chunk_rows(rows.shape[0], weight.shape[0], h)))
+                         int(block or vocab_block(weight.shape[0], h)))
     if reduction == "none":
         return loss.view(target.shape)
     total = loss.sum()
@@ -202,4 +276,4 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     return total / (target != ignore_index).sum()
 
 
-__all__ = ["linear_cross_entropy", "chunk_rows"]
+__all__ = ["SCRATCH", "linear_cross_entropy", "scratch_bytes", "vocab_block"]

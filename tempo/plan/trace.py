@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from tempo.movement.trace import CudaSemantics, OpCall, Recorder
+from tempo.ops.linear_cross_entropy import SCRATCH
 
 Segment = tuple  # ("fwd", i) | ("bwd", i) | ("fwd_end",) | ("end",)
 CUDA_BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
@@ -184,7 +185,17 @@ class MemoryTimeline(Recorder):
         inputs = _storages(pytree.tree_leaves((args, kwargs)))  # held: their ids stay theirs during the op
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self._track(out, {id(s) for s in inputs})
+        scratch = SCRATCH.get(str(func.overloadpacket))
+        if scratch is not None:  # what the op holds inside (this mode sees the op, not the ops in it)
+            self._momentary(self._rounded(scratch(args)))
         return out
+
+    def _momentary(self, nbytes: int) -> None:
+        """``nbytes`` alive for a moment now, above the live bytes: a peak candidate of the segment."""
+        record = self.segments[self.segment]
+        record.events.append(self.live + nbytes)
+        record.peak = max(record.peak, self.live + nbytes)
+        record.own_peak = max(record.own_peak, record.own + nbytes)
 
 
 def _storages(leaves: list) -> list:
