@@ -73,7 +73,13 @@ def _block_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1
     b = bias[v0:v1].to(dtype) if bias is not None else None
     z = F.linear(x, weight[v0:v1].to(dtype), b)
     z = z.to(_acc(dtype))
-    return torch.tanh(z / softcap).mul_(softcap) if softcap > 0 else z
+    return z.div(softcap).tanh_().mul_(softcap) if softcap > 0 else z
+
+
+def _logsumexp(z: Tensor) -> Tensor:
+    """``torch.logsumexp(z, -1)`` with one block-sized temporary (so the planner's count is exact)."""
+    top = z.amax(dim=-1, keepdim=True).nan_to_num_(neginf=0.0)
+    return (z - top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
 
 
 def _target_in_block(target: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
@@ -104,11 +110,12 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
     for v0 in range(0, weight.shape[0], block):
         v1 = min(v0 + block, weight.shape[0])
         z = _block_logits(xk, weight, bias, v0, v1, dtype, softcap)
-        row_lse = torch.logaddexp(row_lse, torch.logsumexp(z, dim=-1))
+        row_lse = torch.logaddexp(row_lse, _logsumexp(z))
         inside, column = _target_in_block(tk, v0, v1)
         z_target += torch.where(inside, z.gather(1, column[:, None]).squeeze(1), 0)
         if smoothing:
             z_sum += z.sum(dim=-1)
+        del z  # before the next block's: one block alive at a time
     row_loss = row_lse - z_target
     if smoothing:
         row_loss = (1 - smoothing) * row_loss + smoothing * (row_lse - z_sum / weight.shape[0])
@@ -148,19 +155,20 @@ def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tenso
         v1 = min(v0 + block, vocab)
         z = _block_logits(xk, weight, bias, v0, v1, dtype, softcap)
         # d loss / d z = softmax·(1 + 2λ·lse) − (1 − ε)·onehot(t) − ε/V, times the row's upstream gradient
-        dz = torch.exp(z - row_lse[:, None]).mul_(scale)
+        dz = (z - row_lse[:, None]).exp_().mul_(scale)
         inside, column = _target_in_block(tk, v0, v1)
         dz.scatter_add_(1, column[:, None], -(g * (1 - smoothing) * inside)[:, None])
         if smoothing:
             dz.sub_((g * smoothing / vocab)[:, None])
         if softcap > 0:  # z = c·tanh(u/c): dz/du = 1 − (z/c)²
-            dz.mul_(1 - (z / softcap).square())
+            dz.mul_(z.div(softcap).square_().neg_().add_(1))
         del z
         dz = dz.to(dtype)
         dxk += dz.mm(weight[v0:v1].to(dtype))
         dw[v0:v1] = dz.t().mm(xk)
         if bias is not None:
             db[v0:v1] = dz.sum(0, dtype=acc)
+        del dz  # before the next block's
     dx = torch.zeros_like(x).index_copy_(0, rows, dxk.to(x.dtype))
     return dx, dw, db
 
@@ -201,22 +209,24 @@ def scratch_bytes(rows: int, vocab: int, hidden: int, block: int, x_dtype: torch
                   dtype: torch.dtype, softcap: bool, backward: bool) -> int:
     """Bytes the op holds at its internal peak beyond its inputs and outputs, for ``rows`` kept rows:
     what a memory trace that sees the op but not the ops inside it must add at that op (tempo.plan's
-    timeline does). The rows in the GEMM's dtype (and, in backward, their fp32 gradient), then the
-    largest moment of one block: the weight block's cast and the GEMM's output; the GEMM's output and
-    its fp32 copy; three fp32 blocks (logsumexp's z − max and its exp beside z, or the softcap's); in
-    backward exp(z − lse) beside those (four with softcap), then the 16-bit dz beside the fp32 one
-    with the rows' partial gradient. ~40 bytes per row of vectors (indices, lse, targets)."""
+    timeline does). The rows in the GEMM's dtype (in backward also their fp32 gradient sum) and ~45
+    bytes of vectors per row, then the largest moment of one block: the weight block's cast beside
+    the GEMM's output; that output beside its fp32 copy; two fp32 blocks (softcap's z/c, z − max,
+    z − lse beside z; three with softcap's derivative in backward); in backward the 16-bit dz beside
+    the fp32 one, and beside the weight block's cast and the rows' partial gradient, or the block's
+    weight gradient. The code keeps to these moments (in-place ops, ``del`` between blocks);
+    tests/test_linear_cross_entropy.py measures them on the CPU."""
     ds, xs, acc = (torch.empty((), dtype=d).element_size() for d in (dtype, x_dtype, _acc(dtype)))
     cast = block * hidden * ds if weight_dtype != dtype else 0
-    logits = rows * block
-    moments = [cast + logits * ds, logits * (ds + acc), 3 * logits * acc]
-    base = rows * hidden * ds + 40 * rows
-    if backward:
-        base += rows * hidden * acc
-        moments += [(4 if softcap else 3) * logits * acc, logits * (acc + ds) + cast + rows * hidden * ds,
-                    logits * ds + block * hidden * ds]
-        return max(base + max(moments), rows * hidden * (ds + acc + xs))
-    return base + max(moments)
+    logits = min(block, vocab) * rows
+    moments = [cast + logits * ds, logits * (ds + acc) if ds != acc else 0, 2 * logits * acc]
+    base = rows * hidden * ds + 45 * rows
+    if not backward:
+        return base + max(moments)
+    base += rows * hidden * acc
+    moments += [3 * logits * acc if softcap else 0, logits * (acc + ds) if ds != acc else 0,
+                logits * ds + cast + rows * hidden * ds, logits * ds + block * hidden * ds]
+    return base + max(max(moments), rows * hidden * xs if xs != acc else 0)
 
 
 def _scratch_of_call(args: tuple, backward: bool) -> int:

@@ -48,6 +48,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tempo.ops.linear_cross_entropy import SCRATCH
+
 BAND = (1.0, 1.05)
 MIXED = [30, 64, 100, 17, 128, 50, 77, 128, 9, 112]
 LENGTHS = {"one": [128] * 4, "mixed": MIXED}
@@ -124,7 +126,13 @@ class LiveStorages(TorchDispatchMode):
         return peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if str(func.overloadpacket) in SCRATCH:  # an op whose inside the plan counts: measure its inside
+            from torch._library.custom_ops import OPDEFS
+
+            with self:
+                out = OPDEFS[func.name()]._init_fn(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
