@@ -143,11 +143,41 @@ def build_family(family: str, task: str = "mlm", layers: Optional[int] = None,
     (default: transformers'). ValueError as ``family_config``, or for an unknown task."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+    return model_on_meta(family_config(family, layers, attention=attention), task, family)
+
+
+def local_config(path: str) -> Any:
+    """transformers' config from a local config.json or a model folder holding one (never a
+    download). ValueError naming the path when there is none or transformers cannot read it."""
+    import transformers
+    from pathlib import Path
+
+    folder = Path(path)
+    if folder.is_file():
+        if folder.name != "config.json":
+            raise ValueError(f"{path}: a model's config must be a file named config.json (or its folder)")
+        folder = folder.parent
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json there (a preset name, a config.json or a model folder)")
+    try:
+        return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"{folder / 'config.json'}: transformers cannot read it: {str(err).splitlines()[0]}") from None
+
+
+def model_on_meta(config: Any, task: str, name: str) -> torch.nn.Module:
+    """transformers' model of ``config`` with the head ``task`` on the meta device. ValueError in one
+    line when transformers has no such head for this kind of model (a decoder's masked LM)."""
     import transformers
 
-    config = family_config(family, layers, attention=attention)
+    auto = getattr(transformers, TASKS[task])
+    if type(config) not in auto._model_mapping:
+        causal = type(config) in transformers.AutoModelForCausalLM._model_mapping
+        hint = "; a decoder: --task causal-lm" if causal and task != "causal-lm" else ""
+        raise ValueError(f"{name} ({type(config).__name__}) has no {task} head in transformers "
+                         f"{transformers.__version__}{hint}")
     with torch.device("meta"):
-        return getattr(transformers, TASKS[task]).from_config(config)
+        return auto.from_config(config)
 
 
 def hf_bert_config(ours: Any, layers: Optional[int] = None, attention: str = "eager") -> Any:
@@ -170,4 +200,4 @@ def default_max_predictions(seq_len: int) -> int:
 
 
 __all__ = ["FAMILIES", "FAMILY_DEPTH", "TASKS", "build_family", "default_max_predictions", "family_config",
-           "family_unavailable", "hf_bert_config", "longest_seq_len", "supports_sdpa"]
+           "family_unavailable", "hf_bert_config", "local_config", "longest_seq_len", "model_on_meta", "supports_sdpa"]

@@ -290,3 +290,35 @@ def test_what_is_not_fused_says_why(caplog):
     with caplog.at_level("INFO", logger="tempo.integrations.patch"):
         assert not isinstance(apply_tempo(moe), FusedLossCausalLM)
     assert any("adds a router loss" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize("rows, hidden, vocab, x_dtype, weight_dtype, dtype, softcap", [
+    (64, 32, 1000, torch.float32, torch.float32, torch.bfloat16, False),
+    (64, 32, 1000, torch.float32, torch.float32, torch.float32, False),
+    (200, 64, 5000, torch.float32, torch.float32, torch.bfloat16, True),
+    (16, 64, 5000, torch.bfloat16, torch.bfloat16, torch.bfloat16, False),
+])
+def test_the_declared_scratch_is_what_the_op_holds_inside(rows, hidden, vocab, x_dtype, weight_dtype, dtype, softcap):
+    """scratch_bytes against the op's inside, counted storage by storage (tempo.plan.band's counter):
+    forward exactly; backward an upper bound within 10 % (the planner adds it at the op)."""
+    from tempo.ops.linear_cross_entropy import _backward_impl, _forward, scratch_bytes
+    from tempo.plan.band import LiveStorages
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, hidden, generator=g).to(x_dtype), torch.randn(vocab, hidden, generator=g).to(weight_dtype)
+    t, grad = torch.randint(0, vocab, (rows,), generator=g), torch.ones(rows)
+    block, cap = vocab_block(vocab, hidden), 2.0 if softcap else 0.0
+
+    def inside(fn, inputs):
+        counter = LiveStorages(inputs)
+        with counter:
+            outputs = fn()
+        return counter.peak() - sum(a.untyped_storage().nbytes() for a in {id(a): a for a in [*inputs, *outputs]}.values())
+
+    loss, lse = _forward(x, w, None, t, -100, 0.0, 0.0, cap, dtype, block)
+    forward = inside(lambda: _forward(x, w, None, t, -100, 0.0, 0.0, cap, dtype, block), [x, w, t])
+    backward = inside(lambda: _backward_impl(grad, x, w, None, t, lse, -100, 0.0, 0.0, cap, dtype, block),
+                      [x, w, t, lse, grad])
+    assert forward == scratch_bytes(rows, vocab, hidden, block, x_dtype, weight_dtype, dtype, softcap, False)
+    declared = scratch_bytes(rows, vocab, hidden, block, x_dtype, weight_dtype, dtype, softcap, True)
+    assert backward <= declared <= 1.1 * backward

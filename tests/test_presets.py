@@ -30,7 +30,7 @@ def test_layers_attention_and_task_pass_through():
 def test_an_unknown_family_or_task_is_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown family 'bert-base'; valid: bert-large, minilm, "):
         presets.family_config("bert-base")
-    with pytest.raises(ValueError, match=r"unknown task 'qa'; valid: mlm, encoder, classification"):
+    with pytest.raises(ValueError, match=r"unknown task 'qa'; valid: mlm, causal-lm, encoder, classification"):
         presets.build_family("minilm", task="qa")
 
 
@@ -52,6 +52,36 @@ def test_the_plan_command_names_a_family_this_transformers_lacks(monkeypatch):
         main(["--model", "future"])
     assert str(exit_info.value).startswith("python -m tempo.plan: --model future: transformers ")
     assert str(exit_info.value).endswith(" has no NoSuchFutureConfig")
+
+
+def test_a_decoder_has_no_mlm_head_said_in_one_line_with_the_task_it_has():
+    from tempo.plan.cli import main
+
+    with pytest.raises(SystemExit, match=r"^python -m tempo.plan: --model llama-3.2-1b: llama-3.2-1b \(LlamaConfig\) "
+                                         r"has no mlm head in transformers \S+; a decoder: --task causal-lm$"):
+        main(["--model", "llama-3.2-1b"])
+    model = presets.build_family("qwen3-0.6b", task="causal-lm", layers=1)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.lm_head.weight.device.type == "meta"
+
+
+def test_a_local_config_or_model_folder_builds_the_users_model(tmp_path):
+    presets.family_config("minilm", layers=2).save_pretrained(tmp_path)
+    for path in (tmp_path, tmp_path / "config.json"):
+        model = presets.model_on_meta(presets.local_config(str(path)), "mlm", str(path))
+        assert type(model).__name__ == "BertForMaskedLM" and model.config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d, "no config.json there"),
+    (lambda d: (d / "weights.json").write_text("{}") and d / "weights.json", "must be a file named config.json"),
+    (lambda d: (d / "config.json").write_text('{"model_type": "no-such-model"}') and d, "transformers cannot read it"),
+])
+def test_a_path_without_a_readable_config_is_named(tmp_path, make, message):
+    from tempo.plan.cli import main
+
+    path = make(tmp_path)
+    with pytest.raises(SystemExit, match=f"^python -m tempo.plan: --model {path}: .*{message}"):
+        main(["--model", str(path)])
 
 
 def test_position_limits_and_sdpa_support():

@@ -338,15 +338,22 @@ def fused_attention_kind(q: Tensor, v: Tensor, mask: Optional[Tensor]) -> str:
 
 def _sdpa(args, kwargs):
     q, k, v, mask, p, is_causal, scale, gqa = _sdpa_args(args, kwargs)
-    if gqa:
-        raise NotImplementedError("tempo.movement: sdpa with enable_gqa=True has no CUDA kernel model here")
     if _autocast_on():  # sdpa is on CUDA autocast's lower-precision list
         dtype = torch.get_autocast_dtype("cpu")
         q, k, v = (t.to(dtype) if _eligible(t) else t for t in (q, k, v))
     with torch.autocast("cpu", enabled=False):
         if q.is_nested:
+            if gqa:
+                raise NotImplementedError("tempo.movement: nested sdpa with enable_gqa=True has no CUDA kernel model")
             return _nested_flash(q, k, v, p, is_causal, scale)
-        if fused_attention_kind(q, v, mask) == "flash":
+        flash = fused_attention_kind(q, v, mask) == "flash"
+        if gqa and not flash:
+            # CUDA's memory-efficient kernel takes no grouped kv heads (sdp_utils: only flash does), so
+            # sdpa runs its math path there, on kv heads repeated to the query heads.
+            group = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+            return aten._scaled_dot_product_attention_math(q, k, v, mask, p, is_causal, scale=scale)[0]
+        if flash:  # flash reads grouped kv heads as they are
             return aten._scaled_dot_product_flash_attention(q, k, v, p, is_causal, False, scale=scale)[0]
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)

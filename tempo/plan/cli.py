@@ -5,8 +5,9 @@
     python -m tempo.plan --frontier            # Tempo's plans beside torch's own policies (tempo.plan.frontier)
 
 Models are transformers' at their published sizes, built on the meta device from their configs
-(``tempo.presets``: nothing is downloaded, no memory is used), with the head ``--task`` names
-(masked-LM by default: logits for every position, as transformers' *ForMaskedLM trains).
+(``tempo.presets``: nothing is downloaded, no memory is used), or from a local config.json (or the
+model folder holding it), with the head ``--task`` names (masked-LM by default: logits for every
+position, as transformers' *ForMaskedLM trains; causal-lm for a decoder).
 ``--lengths`` takes a file of one length per line (or whitespace-separated) as the sample of the
 data's lengths; ``--seq-len`` one length.
 """
@@ -46,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m tempo.plan", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="bert-large", choices=sorted(FAMILIES), help="the model (default bert-large)")
+    parser.add_argument("--model", default="bert-large", metavar="MODEL",
+                        help=f"a preset ({', '.join(sorted(FAMILIES))}), a local config.json or a model folder "
+                             f"(default bert-large)")
     parser.add_argument("--task", default="mlm", choices=sorted(TASKS), help="its head (default mlm)")
     lengths = parser.add_mutually_exclusive_group()
     lengths.add_argument("--seq-len", type=positive_int, default=512, help="one sequence length (default 512)")
@@ -98,17 +101,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         return frontier_main((["--json", args.json] if args.json else []) + (["--details"] if args.candidates else []))
     from tempo.plan import PlanError, plan
     from tempo.plan.report import format_candidates
-    from tempo.presets import build_family, family_unavailable
+    from tempo.presets import FAMILIES, build_family, family_unavailable, local_config, model_on_meta
     from tempo.utils import atomic_write_text
 
     start = time.perf_counter()
     say = _progress(start)
     lengths: Any = read_lengths(args.lengths) if args.lengths else args.seq_len
-    why = family_unavailable(args.model)
-    if why is not None:  # a family newer than this transformers
-        raise SystemExit(f"python -m tempo.plan: --model {args.model}: {why}")
-    say(f"building {args.model} ({args.task}) on the meta device")
-    model = build_family(args.model, args.task)
+    try:
+        if args.model in FAMILIES:
+            why = family_unavailable(args.model)
+            if why is not None:  # a family newer than this transformers
+                raise ValueError(why)
+            say(f"building {args.model} ({args.task}) on the meta device")
+            model = build_family(args.model, args.task)
+        else:
+            model = model_on_meta(local_config(args.model), args.task, args.model)
+    except ValueError as err:
+        raise SystemExit(f"python -m tempo.plan: --model {args.model}: {err}") from None
     try:
         result = plan(model, budget=args.budget, lengths=lengths, device=args.device, precision=args.precision,
                       optimizer=args.optimizer, tempo=not args.no_tempo, progress=say)

@@ -1,0 +1,29 @@
+"""The planner and the language-model head (issue 41): the fused head and loss counted (its op's
+inside included: tempo.ops.linear_cross_entropy.SCRATCH), the causal-LM task, grouped-query decoders
+planned without Tempo (sdpa's enable_gqa as CUDA runs it)."""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from tempo.plan import plan  # noqa: E402
+from tempo.presets import build_family  # noqa: E402
+
+
+def test_qwen3_as_a_causal_lm_fits_three_times_the_tokens_with_the_fused_head():
+    """Issue 41's target: Qwen3-0.6B, s = 2048, 24 GiB, H100, bf16, AdamW: >= 12,288 tokens per step
+    (4,096 with the stock head and loss, which hold [tokens, 151,936] logits and their fp32 copy)."""
+    model = build_family("qwen3-0.6b", "causal-lm")
+    fused = plan(model, budget="24GiB", lengths=2048, device="h100")
+    stock = plan(model, budget="24GiB", lengths=2048, device="h100", tempo={"lm_loss": False})
+    assert fused.tokens_per_step >= 12_288 and stock.tokens_per_step <= 4_096
+    assert fused.peak_bytes <= 24 * 2**30 and stock.peak.at == "backward of the head and loss"
+
+
+def test_a_grouped_query_decoder_plans_without_tempo():
+    """sdpa with enable_gqa (transformers passes it when there is no mask): flash on CUDA in 16 bits."""
+    result = plan(build_family("llama-3.2-1b", "causal-lm", layers=4), budget="24GiB", lengths=1024, device="h100",
+                  tempo=False)
+    assert result.tokens_per_step > 0 and result.tempo == {}
