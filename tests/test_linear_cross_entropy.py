@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")  # the hf extra; CI installs 
 
 from tempo import apply_tempo, revert_tempo  # noqa: E402
 from tempo.bert.hf_interop import minilm_dir  # noqa: E402
-from tempo.integrations.lm_loss import FusedLossCausalLM, fused_loss_reason  # noqa: E402
+from tempo.integrations.lm_loss import FusedLossLM, fused_loss_reason  # noqa: E402
 
 MODES = {
     "plain": {},
@@ -230,7 +230,7 @@ def step(model, *args, **kwargs):
 @pytest.mark.parametrize("call", ["labels", "num_items_in_batch", "shift_labels", "tuple"])
 def test_a_causal_lm_step_equals_the_stock_one_without_logits(name, call):
     stock, tempo = pair(name)
-    assert isinstance(tempo, FusedLossCausalLM) and isinstance(tempo, type(stock))
+    assert isinstance(tempo, FusedLossLM) and isinstance(tempo, type(stock))
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
     labels = ids.clone()
     labels[0, :3] = -100
@@ -275,7 +275,7 @@ def test_revert_pickle_and_deepcopy_of_a_switched_lm():
 
 def test_lm_loss_false_leaves_the_head_and_loss_alone():
     model = apply_tempo(MODELS["llama"](), lm_loss=False).train()
-    assert not isinstance(model, FusedLossCausalLM)
+    assert not isinstance(model, FusedLossLM)
     assert model(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).logits is not None
     with pytest.raises(TypeError, match="argument 'lm_loss' must be True or False"):
         apply_tempo(MODELS["llama"](), lm_loss="yes")
@@ -288,7 +288,7 @@ def test_what_is_not_fused_says_why(caplog):
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))) == \
         "BertModel is not a transformers causal LM"
     with caplog.at_level("INFO", logger="tempo.integrations.patch"):
-        assert not isinstance(apply_tempo(moe), FusedLossCausalLM)
+        assert not isinstance(apply_tempo(moe), FusedLossLM)
     assert any("adds a router loss" in m for m in caplog.messages)
 
 
@@ -322,3 +322,52 @@ def test_the_declared_scratch_is_what_the_op_holds_inside(rows, hidden, vocab, x
     assert forward == scratch_bytes(rows, vocab, hidden, block, x_dtype, weight_dtype, dtype, softcap, False)
     declared = scratch_bytes(rows, vocab, hidden, block, x_dtype, weight_dtype, dtype, softcap, True)
     assert backward <= declared <= 1.1 * backward
+
+
+ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=97,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+MASKED = {
+    "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**ENCODER)),
+    "roberta": lambda: transformers.RobertaForMaskedLM(transformers.RobertaConfig(**ENCODER)),
+    "mpnet": lambda: transformers.MPNetForMaskedLM(transformers.MPNetConfig(**ENCODER)),
+    "modernbert": lambda: transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=97,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)),
+    "eurobert": lambda: transformers.EuroBertForMaskedLM(transformers.EuroBertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)),
+}
+
+
+def masked_batch():
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(4, 97, (2, 12), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, ::4] = ids[:, ::4]
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("name", MASKED)
+def test_a_masked_lm_step_equals_the_stock_one_through_the_labelled_positions_only(name):
+    torch.manual_seed(0)
+    stock = MASKED[name]().train()
+    tempo = apply_tempo(copy.deepcopy(stock)).train()
+    assert isinstance(tempo, FusedLossLM) and type(tempo).__name__ == type(stock).__name__
+    (o0, g0), (o1, g1) = step(stock, **masked_batch()), step(tempo, **masked_batch())
+    torch.testing.assert_close(o1.loss, o0.loss, rtol=1e-5, atol=0)
+    assert o1.logits is None and g1.keys() == g0.keys()
+    largest = max(g.abs().max().item() for g in g0.values())  # key biases: gradient 0 up to rounding
+    for key in g0:
+        torch.testing.assert_close(g1[key], g0[key], rtol=1e-5, atol=1e-6 * largest)
+
+
+def test_a_compiled_masked_lm_step_breaks_no_graph_and_gives_the_eager_loss():
+    torch.manual_seed(0)
+    model = apply_tempo(MASKED["bert"]()).train()
+    batch = masked_batch()
+    explained = torch._dynamo.explain(lambda **b: model(**b).loss)(**batch)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.testing.assert_close(compiled(**batch).loss, model(**batch).loss, rtol=1e-5, atol=0)
