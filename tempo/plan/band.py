@@ -149,24 +149,28 @@ class LiveStorages(TorchDispatchMode):
 
 def real_batch(model: nn.Module, lengths: Sequence[int], packed: bool, seq_len: int) -> dict:
     """The step's inputs (module docstring): packed with ``position_ids``, or padded to ``seq_len``
-    with an attention mask; labels as the head takes them (none for a bare model)."""
+    with an attention mask; labels as the head takes them (none for a bare model; a masked LM's
+    ~15 % of positions, tempo.plan.probe.masked_lm_labels)."""
+    from tempo.plan.probe import masked_lm_labels
+
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     name = type(model).__name__
     per_sequence = name.endswith("ForSequenceClassification")
     has_head = "For" in name or "Head" in name
+    masked = name.endswith("ForMaskedLM")  # a collator's ~15 % of positions labelled
     extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     if packed:
         ids = torch.randint(3, vocab, (1, sum(lengths)), generator=generator)
         positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-        labels = {"labels": ids.clone()} if has_head else {}
+        labels = {"labels": masked_lm_labels(ids) if masked else ids.clone()} if has_head else {}
         return {"input_ids": ids, "position_ids": positions, **labels, **extra}
     ids = torch.randint(3, vocab, (len(lengths), seq_len), generator=generator)
     mask = (torch.arange(seq_len) < torch.tensor(lengths).unsqueeze(1)).long()
     labels = {}
     if has_head:
         labels["labels"] = (torch.zeros(len(lengths), dtype=torch.long) if per_sequence
-                            else ids.masked_fill(mask == 0, -100))
+                            else (masked_lm_labels(ids) if masked else ids).masked_fill(mask == 0, -100))
     return {"input_ids": ids, "attention_mask": mask, **labels, **extra}
 
 

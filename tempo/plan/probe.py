@@ -131,7 +131,8 @@ def example_batch(model: nn.Module, batch: int, seq_len: int, padded: bool = Fal
         inputs["start_positions"] = torch.zeros(batch, dtype=torch.long)
         inputs["end_positions"] = torch.ones(batch, dtype=torch.long)
     elif _accepts(model, "labels") and _has_head(name):
-        inputs["labels"] = torch.zeros(batch, dtype=torch.long) if per_sequence else ids.clone()
+        inputs["labels"] = (torch.zeros(batch, dtype=torch.long) if per_sequence
+                            else masked_lm_labels(ids) if name.endswith("ForMaskedLM") else ids.clone())
     if _accepts(model, "use_cache") and _has_head(name):
         inputs["use_cache"] = False  # training: no KV cache
     if _accepts(model, "next_sentence_label") and name.endswith("ForPreTraining"):
@@ -148,6 +149,16 @@ def example_batch(model: nn.Module, batch: int, seq_len: int, padded: bool = Fal
         inputs["attention_mask"] = torch.ones_like(ids)
         inputs["attention_mask"][:, -1] = 0
     return inputs
+
+
+def masked_lm_labels(ids: torch.Tensor) -> torch.Tensor:
+    """A masked LM's labels as a collator gives them: ~15 % of the positions of each row (evenly
+    spread) labelled with their token, -100 elsewhere (the loss and Tempo's fused head skip those)."""
+    labels = torch.full_like(ids, -100)
+    length = ids.shape[-1]
+    labelled = torch.linspace(0, length - 1, max(1, round(0.15 * length))).long()
+    labels[..., labelled] = ids[..., labelled]
+    return labels
 
 
 def max_positions(model: nn.Module) -> Optional[int]:
