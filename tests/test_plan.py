@@ -116,13 +116,17 @@ def test_a_segment_whose_peak_moment_moves_with_the_tokens_is_composed_exactly()
     model = bert(layers=4, hidden=1024, heads=4, vocab=30522)
     layout = probe_layout(["none"])
     traces = []
+
+    def stock_head(m):  # the materialised head: Tempo's fused one has no logits to grow with t
+        return apply_tempo(m, lm_loss=False)
+
     for batch in (8, 16):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        probe, blocks, _ = fake_probe(model, layout, mode, apply_tempo)
+        probe, blocks, _ = fake_probe(model, layout, mode, stock_head)
         traces.append(trace_step(probe, blocks, example_batch(probe, batch, 128), mode, round_to=512))
     parts = parts_from_traces(traces[0], 1024, traces[1], 2048, layout)
     composition = compose(parts, ["none"] * 4)
-    traced = _traced_peak(model, ["none"] * 4, 45, 128, apply_tempo)
+    traced = _traced_peak(model, ["none"] * 4, 45, 128, stock_head)
     assert composition.peak_at(45 * 128) == pytest.approx(traced, rel=1e-9)
     assert composition.peak_segment(45 * 128) == ("bwd", 5)  # the head's backward
 
@@ -244,7 +248,16 @@ def test_every_family_at_its_published_size_is_never_below_memtracker(family):
     plan = tp.plan(model, budget=_FAMILY_BUDGETS.get(family, "24GiB"), lengths=512, device="h100")
     tracked = _memtracker_peak(model, plan)
     predicted = plan.peak_bytes - plan.peak.cublas_workspace
-    assert tracked <= predicted <= 1.05 * tracked, (family, predicted, tracked)
+    assert tracked - _memtrackers_own(plan, model) <= predicted <= 1.05 * tracked, (family, predicted, tracked)
+
+
+def _memtrackers_own(plan, model) -> int:
+    """What MemTracker's own hooks hold above a real step where the peak is a block's backward: one
+    more gradient of a block's output, [tokens, h] (the test below). With Tempo's fused head the peak
+    of most families is there now (it was the head's backward, where MemTracker holds nothing extra)."""
+    if "backward of block" not in plan.peak.at:
+        return 0
+    return plan.tokens_per_step * model.config.hidden_size * (2 if plan.precision == "bf16" else 4)
 
 
 def test_memtrackers_own_hooks_hold_one_more_gradient_of_the_last_blocks_output():
@@ -283,7 +296,7 @@ def test_the_predicted_peak_holds_for_a_real_cpu_step_of_a_small_bert():
     model = transformers.BertForMaskedLM(config)
     plan = tp.plan(model, budget="40MiB", lengths=64, device="cpu", precision="fp32")
     tracked = _memtracker_peak(copy.deepcopy(model), plan, semantics="cpu", real=True)
-    assert tracked <= plan.peak_bytes <= 1.05 * tracked, (plan.peak_bytes, tracked)
+    assert tracked - _memtrackers_own(plan, model) <= plan.peak_bytes <= 1.05 * tracked, (plan.peak_bytes, tracked)
 
 
 # -- the plan's promises -------------------------------------------------------------------------
@@ -386,7 +399,9 @@ def test_a_budget_that_holds_exactly_the_longest_sequence_plans_one(lengths):
     """The floor is inclusive: a budget of exactly the peak of one longest sequence (no recompute)
     plans that one sequence per step; a byte less recomputes to fit it, and with no recompute allowed
     it is refused naming the longest sequence."""
-    counted = tp.count(bert(layers=2, hidden=64), lengths, device="h100")
+    # the stock head: its logits grow with the tokens from the first one (with Tempo's fused head this
+    # small model's peak is the optimizer step's, flat in the tokens until far above the floor)
+    counted = tp.count(bert(layers=2, hidden=64), lengths, device="h100", tempo={"lm_loss": False})
     floor = counted.floor_tokens
     assert floor == 100 if lengths != 64 else floor == 64
     exact = counted.peak_at(("none",) * counted.blocks, floor).total

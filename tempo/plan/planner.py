@@ -264,10 +264,12 @@ def _peak_lines(composition: Composition, fixed: int, optimizer_temporary: int,
 
 
 def largest_tokens(lines: list[tuple[float, float]], budget: int) -> int:
-    """The largest t with a + b·t <= budget for every line (0 when even t = 0 does not fit)."""
+    """The largest t with a + b·t <= budget for every line (0 when even t = 0 does not fit). A line's
+    start is compared in whole bytes, as the peak is reported (PeakParts): a budget of exactly a flat
+    peak (the optimizer step's, say) holds it."""
     best = math.inf
     for a, b in lines:
-        if a > budget:
+        if int(a) > budget:
             return 0
         if b > 0:
             best = min(best, (budget - a) / b)
