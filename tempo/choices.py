@@ -77,6 +77,9 @@ class TempoChoice:
     layernorm: bool = False
     attention: str = "eager"
     dropout_add_layernorm: bool = False
+    # The LM head and its loss through tempo.ops.linear_cross_entropy in training (no logits): part of
+    # the default (the floor), not a layer kind of the paper's.
+    lm_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -101,8 +104,9 @@ class TempoChoice:
 
     @classmethod
     def floor(cls) -> "TempoChoice":
-        """Every Tempo layer with O(s) attention: the least a layer keeps without recomputing a GEMM."""
-        return cls.full(LAYER_KINDS, attention=FLOOR_ATTENTION)
+        """Every Tempo layer with O(s) attention: the least a layer keeps without recomputing a GEMM;
+        and the fused LM head and loss."""
+        return replace(cls.full(LAYER_KINDS, attention=FLOOR_ATTENTION), lm_loss=True)
 
     @classmethod
     def default(cls, kinds: Optional[Iterable[str]] = None) -> "TempoChoice":

@@ -371,3 +371,33 @@ def test_a_compiled_masked_lm_step_breaks_no_graph_and_gives_the_eager_loss():
     assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
     compiled = torch.compile(model, backend="aot_eager")
     torch.testing.assert_close(compiled(**batch).loss, model(**batch).loss, rtol=1e-5, atol=0)
+
+
+def test_tempos_own_bert_trains_through_the_fused_head_as_through_its_logits():
+    """tempo.bert's pretraining head (DLE's masked positions, -1 for none): the default choice fuses
+    the decoder and loss (prediction_scores None in training), the same loss and gradients as the
+    materialised logits; eval still returns them."""
+    from dataclasses import replace
+
+    from tempo.bert.config import BertConfig
+    from tempo.bert.model import BertForPreTraining
+    from tempo.choices import TempoChoice
+
+    config = BertConfig.from_name("bert_tiny")
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
+    torch.manual_seed(0)
+    fused = BertForPreTraining(config, TempoChoice.default()).train()
+    logits = BertForPreTraining(config, replace(TempoChoice.default(), lm_loss=False)).train()
+    logits.load_state_dict(fused.state_dict())
+    ids = torch.randint(5, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
+    batch = (ids, torch.zeros_like(ids), torch.ones_like(ids), torch.tensor([[1, 5, 9, 0], [2, 3, 0, 0]]),
+             torch.tensor([[7, 8, 9, -1], [10, 11, -1, -1]]), torch.tensor([0, 1]))
+    (o0, g0), (o1, g1) = step(logits, *batch), step(fused, *batch)
+    assert TempoChoice.default().lm_loss and not TempoChoice.paper().lm_loss
+    assert o1.prediction_scores is None and o0.prediction_scores.shape[:2] == (2, 4)
+    torch.testing.assert_close(o1.mlm_loss, o0.mlm_loss, rtol=1e-5, atol=0)
+    largest = max(g.abs().max().item() for g in g0.values())
+    for key in g0:
+        torch.testing.assert_close(g1[key], g0[key], rtol=1e-5, atol=1e-6 * largest)
+    fused.eval()
+    assert fused(*batch).prediction_scores.shape[:2] == (2, 4)

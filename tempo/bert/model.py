@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from tempo.bert.config import BertConfig
 from tempo.choices import TempoChoice
 from tempo.unpad import TokenLayout
+from tempo.ops.linear_cross_entropy import linear_cross_entropy
 
 
 
@@ -447,7 +448,7 @@ class PreTrainingOutput(NamedTuple):
     loss: Optional[Tensor]                # mlm_loss + nsp_loss (whichever are given)
     mlm_loss: Optional[Tensor]
     nsp_loss: Optional[Tensor]
-    prediction_scores: Tensor             # [B, P, padded_vocab] (or [B, L, padded_vocab])
+    prediction_scores: Optional[Tensor]   # [B, P, padded_vocab] (or [B, L, ...]); None: the fused head in training
     seq_relationship_score: Tensor        # [B, 2]
 
 
@@ -478,10 +479,19 @@ class BertForPreTraining(nn.Module):
                 sequence_output = sequence_output.index_select(0, tokens.reshape(-1)).view(*tokens.shape, -1)
         elif layout is not None:
             sequence_output = layout.pad(sequence_output)  # the caller asked for every position
-        prediction_scores, seq_relationship_score = self.cls(sequence_output, pooled_output)
-
         mlm_loss = nsp_loss = loss = None
-        if masked_lm_labels is not None:
+        if (self.bert.options.lm_loss and masked_lm_labels is not None and self.training
+                and torch.is_grad_enabled()):
+            # The fused head and loss (tempo.ops.linear_cross_entropy): no [B, P, vocab] logits.
+            predictions = self.cls.predictions
+            labels = masked_lm_labels.reshape(-1).masked_fill(masked_lm_labels.reshape(-1) < 0, -100)
+            hidden = predictions.transform(sequence_output.reshape(-1, sequence_output.shape[-1]))
+            total = linear_cross_entropy(hidden, predictions.decoder.weight, labels, predictions.bias, reduction="sum")
+            mlm_loss = loss = total / (labels >= 0).sum().clamp_min(1)
+            prediction_scores, seq_relationship_score = None, self.cls.seq_relationship(pooled_output)
+        else:
+            prediction_scores, seq_relationship_score = self.cls(sequence_output, pooled_output)
+        if masked_lm_labels is not None and mlm_loss is None:
             mlm_loss = _masked_mean_cross_entropy(prediction_scores, masked_lm_labels)
             loss = mlm_loss
         if next_sentence_labels is not None:

@@ -323,7 +323,7 @@ def _put_extras_back(snapshot: list[tuple[nn.Module, set, list[tuple[str, dict]]
 # ---------------------------------------------------------------------------------------------
 def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = _DEFAULT.layernorm,
                 attention: bool | str | None = None,
-                dropout_add_layernorm: bool = _DEFAULT.dropout_add_layernorm, lm_loss: bool = True) -> nn.Module:
+                dropout_add_layernorm: bool = _DEFAULT.dropout_add_layernorm, lm_loss: bool = _DEFAULT.lm_loss) -> nn.Module:
     """Swap Tempo's memory-saving layers into ``model`` in place; returns ``model``.
 
     With no arguments: the default, ``tempo.choices.TempoChoice.default()`` (every Tempo layer kind
