@@ -24,7 +24,10 @@ one-time work such as the first plan of every LayerNorm is done):
   * our BERT, padded: + 1 (``bool(attention_mask.all())``: is there padding at all);
   * our BERT, unpadded: + 1 (``TokenLayout.from_mask``: the lengths);
   * HF BERT padding-free: + 1 (the packed sequences' boundaries, once per position_ids tensor, or
-    the check of cu_seq_lens_q/k, once per pair of tensors).
+    the check of cu_seq_lens_q/k, once per pair of tensors);
+  * the fused head and loss (tempo.ops.linear_cross_entropy): + 1 (the count of labelled rows and of
+    labels out of range, in one transfer, in forward; backward reads the count the forward left on
+    the CPU, which stalls nothing: ``_count_on_host`` is quiet here).
 and 0 per added encoder layer everywhere (3 layers minus 2 layers).
 """
 
@@ -43,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tempo
 from tempo.ops import attention as attn_mod
 from tempo.ops._backend import use_backend
+from tempo.ops.linear_cross_entropy import _count_on_host
 
 from test_attention_dispatch import FakeH100, h100  # noqa: F401  (fixture)
 
@@ -227,14 +231,14 @@ SETUPS = {"bert/padded": (our_bert, False), "bert/unpadded": (our_bert, True),
           "hf/padded": (hf_bert, False), "hf/padding-free": (hf_bert, True),
           "hf/padding-free+cu_seq_lens": (hf_bert_cu, True)}
 # Host reads per training step allowed (see the module docstring); 0 per added layer everywhere.
-BUDGET = {"bert/padded": 2, "bert/unpadded": 2, "hf/padded": 1, "hf/padding-free": 2,
-          "hf/padding-free+cu_seq_lens": 2}
+BUDGET = {"bert/padded": 3, "bert/unpadded": 3, "hf/padded": 2, "hf/padding-free": 3,
+          "hf/padding-free+cu_seq_lens": 3}
 
 
 def reads_in_second_step(fake: FakeH100, setup: str, layers: int) -> HostReadCounter:
     build, unpad = SETUPS[setup]
     counter = HostReadCounter(stand_ins=[FakeH100.sdpa, FakeH100.takes_nested, FakeH100._seq_len_0],
-                              quiet=[FakeH100.compute])
+                              quiet=[FakeH100.compute, _count_on_host])
     with use_backend("triton"), counter.installed():
         model, loss_fn = build(layers, unpad)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -115,8 +115,8 @@ def test_under_autocast_no_further_from_fp32_than_the_stock_head(dtype):
 
 
 def test_nothing_of_tokens_by_vocabulary_is_kept_for_backward():
-    """Saved for backward: the inputs themselves, 4 bytes of log-sum-exp per row and the mean's
-    divisor (the count of rows not ignored, 8 bytes), exactly."""
+    """Saved for backward: the inputs themselves, 4 bytes of log-sum-exp per row, the count of kept
+    rows (8 bytes, on the CPU) and the mean's divisor (the count of rows not ignored, 8 bytes), exactly."""
     x, w, b, t = case(n=40, h=8, v=1000, dtype=torch.float32)
     saved = []
 
@@ -128,7 +128,7 @@ def test_nothing_of_tokens_by_vocabulary_is_kept_for_backward():
         linear_cross_entropy(x, w, t, b)
     inputs = {x.data_ptr(), w.data_ptr(), b.data_ptr(), t.data_ptr()}
     new = [s for s in saved if s.data_ptr() not in inputs]
-    assert sum(s.numel() * s.element_size() for s in new) == 40 * 4 + 8
+    assert sum(s.numel() * s.element_size() for s in new) == 40 * 4 + 8 + 8
 
 
 def test_ignored_rows_never_reach_the_gemm(monkeypatch):
@@ -286,7 +286,7 @@ def test_what_is_not_fused_says_why(caplog):
     assert fused_loss_reason(moe) == "Qwen3MoeForCausalLM adds a router loss to the cross-entropy"
     assert fused_loss_reason(transformers.BertModel(transformers.BertConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))) == \
-        "BertModel is not a transformers causal LM"
+        "BertModel is not a transformers causal or masked LM"
     with caplog.at_level("INFO", logger="tempo.integrations.patch"):
         assert not isinstance(apply_tempo(moe), FusedLossLM)
     assert any("adds a router loss" in m for m in caplog.messages)
@@ -315,10 +315,10 @@ def test_the_declared_scratch_is_what_the_op_holds_inside(rows, hidden, vocab, x
             outputs = fn()
         return counter.peak() - sum(a.untyped_storage().nbytes() for a in {id(a): a for a in [*inputs, *outputs]}.values())
 
-    loss, lse = _forward(x, w, None, t, -100, 0.0, 0.0, cap, dtype, block)
-    forward = inside(lambda: _forward(x, w, None, t, -100, 0.0, 0.0, cap, dtype, block), [x, w, t])
-    backward = inside(lambda: _backward_impl(grad, x, w, None, t, lse, -100, 0.0, 0.0, cap, dtype, block),
-                      [x, w, t, lse, grad])
+    loss, lse, count = _forward(x, w, None, t, -100, 0.0, 0.0, False, cap, dtype, block)
+    forward = inside(lambda: _forward(x, w, None, t, -100, 0.0, 0.0, False, cap, dtype, block), [x, w, t])
+    backward = inside(lambda: _backward_impl(grad, x, w, None, t, lse, count, -100, 0.0, 0.0, False, cap, dtype,
+                                             block), [x, w, t, lse, grad])
     assert forward == scratch_bytes(rows, vocab, hidden, block, x_dtype, weight_dtype, dtype, softcap, False)
     declared = scratch_bytes(rows, vocab, hidden, block, x_dtype, weight_dtype, dtype, softcap, True)
     assert backward <= declared <= 1.1 * backward

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tempo.integrations.recipe import _STANDS_FOR, Switched, as_original_class
-from tempo.ops.linear_cross_entropy import linear_cross_entropy
+from tempo.ops.linear_cross_entropy import labelled_rows, linear_cross_entropy
 
 logger = logging.getLogger("tempo.integrations.patch")
 
@@ -166,11 +166,13 @@ class FusedLossLM(nn.Module):
     def _masked_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, head_of: tuple, items: Any) -> torch.Tensor:
         transform, decoder = head_of
         hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
-        if not torch.compiler.is_compiling():  # only the labelled positions through the transform
-            rows = (labels != -100).nonzero().squeeze(1)
-            hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
         head = decoder(self)
-        return linear_cross_entropy(transform(self)(hidden), head.weight, labels, head.bias, num_items_in_batch=items)
+        checked = not torch.compiler.is_compiling()
+        if checked:  # only the labelled positions through the transform (one host read, the op's)
+            rows = labelled_rows(labels, -100, head.weight.shape[0])
+            hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
+        return linear_cross_entropy(transform(self)(hidden), head.weight, labels, head.bias, num_items_in_batch=items,
+                                    rows_checked=checked)
 
 
 def fuse_lm_loss(model: nn.Module) -> list[Switched]:

@@ -88,24 +88,50 @@ def _target_in_block(target: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
     return inside, torch.where(inside, target - v0, 0)
 
 
-def _kept_rows(target: Tensor, ignore_index: int, vocab: int) -> Tensor:
-    rows = (target != ignore_index).nonzero().squeeze(1)
-    kept = target.index_select(0, rows)
-    if kept.numel() and bool(((kept < 0) | (kept >= vocab)).any()):
-        bad = kept[(kept < 0) | (kept >= vocab)][0].item()
-        raise ValueError(f"{OP}: a target is {bad}, outside [0, {vocab}) (the head's vocabulary) and not "
+def labelled_rows(target: Tensor, ignore_index: int, vocab: int) -> Tensor:
+    """The rows whose target is not ``ignore_index``, in order, after one host read (their count and
+    the count of targets outside [0, vocab), in one transfer); ValueError naming a target outside."""
+    kept = target != ignore_index
+    count, bad = torch.stack([kept.sum(), (kept & ((target < 0) | (target >= vocab))).sum()]).tolist()
+    if bad:
+        first = target[kept & ((target < 0) | (target >= vocab))][0].item()
+        raise ValueError(f"{OP}: a target is {first}, outside [0, {vocab}) (the head's vocabulary) and not "
                          f"ignore_index={ignore_index}")
-    return rows
+    return _first_rows(kept, count)
+
+
+def _first_rows(kept: Tensor, count: int) -> Tensor:
+    """The indices of the ``count`` True rows of ``kept``, in order, with no host read."""
+    return torch.argsort((~kept).to(torch.int8), stable=True)[:count]
+
+
+def _rows(target: Tensor, ignore_index: int, vocab: int, checked: bool) -> tuple[Optional[Tensor], Tensor]:
+    """(the kept rows, or None for every row when the caller ``checked`` them; their count on the CPU,
+    for backward to take the same rows with no host read)."""
+    if checked:
+        return None, torch.tensor(target.shape[0])
+    rows = labelled_rows(target, ignore_index, vocab)
+    return rows, torch.tensor(rows.shape[0])
+
+
+def _count_on_host(count: Tensor) -> int:
+    """The forward's count of kept rows: a CPU tensor (``_rows``), so reading it stalls no GPU."""
+    return int(count)
+
+
+def _take(t: Tensor, rows: Optional[Tensor]) -> Tensor:
+    return t if rows is None else t.index_select(0, rows)
 
 
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
-             smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype, block: int) -> tuple[Tensor, Tensor]:
+             smoothing: float, z_loss: float, checked: bool, softcap: float, dtype: torch.dtype,
+             block: int) -> tuple[Tensor, Tensor, Tensor]:
     acc = _acc(dtype)
     loss = x.new_zeros(x.shape[0], dtype=acc)
     lse = torch.zeros_like(loss)
-    rows = _kept_rows(target, ignore_index, weight.shape[0])
-    xk, tk = x.index_select(0, rows).to(dtype), target.index_select(0, rows)
-    row_lse = torch.full((rows.numel(),), -math.inf, dtype=acc, device=x.device)
+    rows, count = _rows(target, ignore_index, weight.shape[0], checked)
+    xk, tk = _take(x, rows).to(dtype), _take(target, rows)
+    row_lse = torch.full((tk.shape[0],), -math.inf, dtype=acc, device=x.device)
     z_target, z_sum = torch.zeros_like(row_lse), torch.zeros_like(row_lse)
     for v0 in range(0, weight.shape[0], block):
         v1 = min(v0 + block, weight.shape[0])
@@ -121,34 +147,37 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
         row_loss = (1 - smoothing) * row_loss + smoothing * (row_lse - z_sum / weight.shape[0])
     if z_loss:
         row_loss = row_loss + z_loss * row_lse.square()
-    return loss.index_copy_(0, rows, row_loss), lse.index_copy_(0, rows, row_lse)
+    if rows is None:
+        return row_loss, row_lse, count
+    return loss.index_copy_(0, rows, row_loss), lse.index_copy_(0, rows, row_lse), count
 
 
 @torch.library.custom_op("tempo::linear_cross_entropy_fwd", mutates_args=())
 def _fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
-            smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype, block: int) -> tuple[Tensor, Tensor]:
-    """x [N, h], weight [V, h], target [N] -> (loss per row, log-sum-exp per row), both fp32 [N],
-    0 at ignored rows."""
-    return _forward(x, weight, bias, target, ignore_index, smoothing, z_loss, softcap, dtype, block)
+            smoothing: float, z_loss: float, checked: bool, softcap: float, dtype: torch.dtype,
+            block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x [N, h], weight [V, h], target [N] -> (loss per row, log-sum-exp per row: both fp32 [N], 0 at
+    ignored rows; the count of rows kept, a CPU int64 scalar for backward)."""
+    return _forward(x, weight, bias, target, ignore_index, smoothing, z_loss, checked, softcap, dtype, block)
 
 
 @_fwd_op.register_fake
-def _(x, weight, bias, target, ignore_index, smoothing, z_loss, softcap, dtype, block):
+def _(x, weight, bias, target, ignore_index, smoothing, z_loss, checked, softcap, dtype, block):
     loss = x.new_empty(x.shape[0], dtype=_acc(dtype))
-    return loss, torch.empty_like(loss)
+    return loss, torch.empty_like(loss), torch.empty((), dtype=torch.int64, device="cpu")
 
 
 def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
-                   ignore_index: int, smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype,
-                   block: int) -> tuple[Tensor, Tensor, Tensor]:
+                   count: Tensor, ignore_index: int, smoothing: float, z_loss: float, checked: bool, softcap: float,
+                   dtype: torch.dtype, block: int) -> tuple[Tensor, Tensor, Tensor]:
     vocab = weight.shape[0]
     acc = _acc(dtype)
     dw = torch.empty_like(weight)
     db = torch.empty(vocab if bias is not None else 0, dtype=bias.dtype if bias is not None else acc,
                      device=weight.device)
-    rows = _kept_rows(target, ignore_index, vocab)
-    xk, tk = x.index_select(0, rows).to(dtype), target.index_select(0, rows)
-    row_lse, g = lse.index_select(0, rows), grad.index_select(0, rows).to(acc)
+    rows = None if checked else _first_rows(target != ignore_index, _count_on_host(count))
+    xk, tk = _take(x, rows).to(dtype), _take(target, rows)
+    row_lse, g = _take(lse, rows), _take(grad, rows).to(acc)
     dxk = torch.zeros(xk.shape, dtype=acc, device=x.device)
     scale = (g * (1 + 2 * z_loss * row_lse))[:, None]
     for v0 in range(0, vocab, block):
@@ -169,21 +198,23 @@ def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tenso
         if bias is not None:
             db[v0:v1] = dz.sum(0, dtype=acc)
         del dz  # before the next block's
-    dx = torch.zeros_like(x).index_copy_(0, rows, dxk.to(x.dtype))
-    return dx, dw, db
+    if rows is None:
+        return dxk.to(x.dtype), dw, db
+    return torch.zeros_like(x).index_copy_(0, rows, dxk.to(x.dtype)), dw, db
 
 
 @torch.library.custom_op("tempo::linear_cross_entropy_bwd", mutates_args=())
 def _bwd_op(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
-            ignore_index: int, smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype,
-            block: int) -> tuple[Tensor, Tensor, Tensor]:
+            count: Tensor, ignore_index: int, smoothing: float, z_loss: float, checked: bool, softcap: float,
+            dtype: torch.dtype, block: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dx like x, dweight like weight, dbias like bias or empty) of the loss per row with upstream
     gradient ``grad`` [N]; each block's logits recomputed, softmax = exp(z − lse)."""
-    return _backward_impl(grad, x, weight, bias, target, lse, ignore_index, smoothing, z_loss, softcap, dtype, block)
+    return _backward_impl(grad, x, weight, bias, target, lse, count, ignore_index, smoothing, z_loss, checked,
+                          softcap, dtype, block)
 
 
 @_bwd_op.register_fake
-def _(grad, x, weight, bias, target, lse, ignore_index, smoothing, z_loss, softcap, dtype, block):
+def _(grad, x, weight, bias, target, lse, count, ignore_index, smoothing, z_loss, checked, softcap, dtype, block):
     db = weight.new_empty(weight.shape[0] if bias is not None else 0,
                           dtype=bias.dtype if bias is not None else _acc(dtype))
     return torch.empty_like(x), torch.empty_like(weight), db
@@ -191,15 +222,15 @@ def _(grad, x, weight, bias, target, lse, ignore_index, smoothing, z_loss, softc
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, target, *settings = inputs
-    ctx.save_for_backward(x, weight, bias, target, output[1])  # inputs and lse: no logits
+    ctx.save_for_backward(x, weight, bias, target, output[1], output[2])  # inputs, lse, the count: no logits
     ctx.settings = settings
 
 
-def _backward(ctx, grad_loss, _grad_lse):
-    x, weight, bias, target, lse = ctx.saved_tensors
+def _backward(ctx, grad_loss, _grad_lse, _grad_count):
+    x, weight, bias, target, lse, count = ctx.saved_tensors
     dx, dw, db = torch.ops.tempo.linear_cross_entropy_bwd(grad_loss.contiguous(), x, weight, bias, target, lse,
-                                                           *ctx.settings)
-    return dx, dw, db if bias is not None else None, None, None, None, None, None, None, None
+                                                           count, *ctx.settings)
+    return (dx, dw, db if bias is not None else None) + (None,) * 8
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -247,11 +278,14 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
                          ignore_index: int = -100, reduction: str = "mean",
                          num_items_in_batch: Union[Tensor, int, None] = None, label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: Optional[float] = None,
-                         block: Optional[int] = None) -> Tensor:
+                         block: Optional[int] = None, rows_checked: bool = False) -> Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias).float(), target, ...)`` without the logits (module
     docstring). x [..., h], weight [V, h], target [...] of integers (``ignore_index`` rows dropped),
     bias [V] or None. ``num_items_in_batch`` (with reduction "mean") divides the sum instead of the
-    count of rows not ignored. ``softcap`` > 0: Gemma's c·tanh(z/c) on the logits first."""
+    count of rows not ignored. ``softcap`` > 0: Gemma's c·tanh(z/c) on the logits first.
+    ``rows_checked``: every target is in [0, V) and none is ignore_index (the caller gathered them with
+    ``labelled_rows``), so the op reads nothing on the host; otherwise it reads the count of kept rows
+    and of targets out of range once, in one transfer, in forward only."""
     check_float_tensor(x, "x", OP)
     check_float_tensor(weight, "weight", OP)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -273,9 +307,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     h = x.shape[-1]
     rows = x.reshape(-1, h)
     dtype = autocast_dtype_for(rows) or rows.dtype
-    loss, _lse = _fwd_op(rows.contiguous(), weight, bias, target.reshape(-1).long(), int(ignore_index),
-                         float(label_smoothing), float(z_loss), float(softcap or 0.0), dtype,
-                         int(block or vocab_block(weight.shape[0], h)))
+    loss, _lse, _count = _fwd_op(rows.contiguous(), weight, bias, target.reshape(-1).long(), int(ignore_index),
+                                 float(label_smoothing), float(z_loss), bool(rows_checked), float(softcap or 0.0),
+                                 dtype, int(block or vocab_block(weight.shape[0], h)))
     if reduction == "none":
         return loss.view(target.shape)
     total = loss.sum()
@@ -286,4 +320,4 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     return total / (target != ignore_index).sum()
 
 
-__all__ = ["SCRATCH", "linear_cross_entropy", "scratch_bytes", "vocab_block"]
+__all__ = ["SCRATCH", "labelled_rows", "linear_cross_entropy", "scratch_bytes", "vocab_block"]
