@@ -287,7 +287,7 @@ def test_ledger_shows_bytes_saved():
         return bert_mlm().train()
 
     plain = train_ledger(fresh(), ids)
-    alone = dict(gelu=False, layernorm=False, attention=False, dropout_add_layernorm=False)
+    alone = dict(gelu=False, layernorm=False, attention=False, dropout_add_layernorm=False, lm_loss=False)
     gelu_only = train_ledger(apply_tempo(fresh(), **{**alone, "gelu": True}), ids)
     ln_only = train_ledger(apply_tempo(fresh(), **{**alone, "layernorm": True}), ids)
     attn_only = train_ledger(apply_tempo(fresh(), **{**alone, "attention": "tempo"}), ids)

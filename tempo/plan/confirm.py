@@ -46,13 +46,13 @@ warm-up step, then ``steps`` timed; tokens/s are real tokens.
     measured in this process instead, with one warning; ``isolate=True`` refuses them). A probe
     process killed by SIGKILL (the kernel's OOM killer) counts as "does not fit"; any other failure
     raises ``ConfirmError`` naming the candidate, with the probe's traceback.
-  * On the CPU, where running out of memory cannot be observed safely, the peak is PyTorch's own
-    tracker (``torch.distributed._tools.mem_tracker.MemTracker``: every tensor allocated during one
-    more step, the optimizer states present) and "fits" means that peak within the budget. That is
-    the tracker the plan's predicted peak is held to (tests/test_plan.py), so a neighbour the plan
-    says overshoots is measured against the same rule. (The activation ledger's footprint, weights +
+  * On the CPU, where running out of memory cannot be observed safely, the peak is counted storage
+    by storage over one more step, the optimizer states present (``tempo.plan.live.LiveStorages``:
+    no module hooks, unlike MemTracker, whose hooks hold one more gradient of a block's output) and
+    "fits" means that peak within the budget. That is the counter the plan's predicted peak is held
+    to (tempo.plan.band), so a neighbour the plan says overshoots is measured against the same rule. (The activation ledger's footprint, weights +
     gradients + optimizer states + kept activations, leaves out backward's transients: it would let
-    the 1.15x neighbour "fit" where the plan and MemTracker say it does not.) A CPU probe over the
+    the 1.15x neighbour "fit" where the plan and the counter say it does not.) A CPU probe over the
     budget is not timed (tokens/s 0).
 The plan must be for the kind of device measured (a plan for an H100 is confirmed on a GPU, a plan
 for device="cpu" on the CPU): the measure refuses the other.
@@ -68,7 +68,6 @@ import pickle
 import signal
 import time
 import traceback
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
@@ -199,7 +198,7 @@ class DefaultMeasure:
     @property
     def memory_counter(self) -> str:
         """What ``Measurement.memory_bytes`` is."""
-        return "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else "MemTracker peak"
+        return "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else "live storages peak"
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -250,18 +249,16 @@ class DefaultMeasure:
 
 
 def _tracked_peak(model: nn.Module, optimizer: torch.optim.Optimizer, step: TrainStep, batch: Any) -> int:
-    """The peak bytes of one more training step (optimizer states present) by PyTorch's MemTracker."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """The peak bytes of one more training step (optimizer states present), storage by storage
+    (tempo.plan.live.LiveStorages: no module hooks, the inside of the ops the plan counts inside)."""
+    from tempo.plan.live import LiveStorages
 
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with warnings.catch_warnings():
-        # Its module tracker warns for every backward hook of a module gone before backward
-        # (transformers' functional pieces); nothing to act on.
-        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-        with tracker:
-            step([batch])
-    return int(max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+    states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    inputs = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    counter = LiveStorages([*model.parameters(), *model.buffers(), *states, *inputs])
+    with counter:
+        step([batch])
+    return counter.peak()
 
 
 # ---------------------------------------------------------------------------------------------
