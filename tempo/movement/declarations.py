@@ -239,14 +239,17 @@ def _flash_forward(call: OpCall, target: Target) -> list[Kernel]:
     q, k, v = call.arg("query"), call.arg("key"), call.arg("value")
     out = call.tensor_outputs()[0]
     b, h, sq, _ = q.shape
-    return [_attention_forward(q, k, v, out.nbytes, b * h * sq, None, call.arg("dropout_p") > 0, "flash_fwd")]
+    flops = _grouped_flops(q, k, v, backward=False) if k.shape[1] != h else None  # enable_gqa: kv as they are
+    return [_attention_forward(q, k, v, out.nbytes, b * h * sq, None, call.arg("dropout_p") > 0, "flash_fwd",
+                               flops=flops)]
 
 
 @declares("aten._scaled_dot_product_flash_attention_backward")
 def _flash_backward(call: OpCall, target: Target) -> list[Kernel]:
     q, k, v, out = call.arg("query"), call.arg("key"), call.arg("value"), call.arg("out")
     b, h, sq, _ = q.shape
-    return _attention_backward(q, k, v, out.nbytes, b * h * sq, None, call.arg("dropout_p") > 0, "flash")
+    flops = _grouped_flops(q, k, v, backward=True) if k.shape[1] != h else None
+    return _attention_backward(q, k, v, out.nbytes, b * h * sq, None, call.arg("dropout_p") > 0, "flash", flops=flops)
 
 
 @declares("aten._scaled_dot_product_efficient_attention")

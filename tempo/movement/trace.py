@@ -217,7 +217,7 @@ class Recorder(TorchDispatchMode):
         if func.overloadpacket in flop_registry:
             # Outside the fake mode: the variable-length formulas read real offsets (cu_seqlens).
             with unset_fake_temporarily():
-                flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+                flops = int(flop_registry[func.overloadpacket](*_at_query_heads(func, args), **kwargs, out_val=out))
         self.calls.append(OpCall(
             op=str(func), packet=str(func.overloadpacket), args=_bind(func, args, kwargs),
             outputs=tuple(_meta_tree(o) for o in pytree.tree_leaves(out)), phase=self.phase, flops=flops,
@@ -376,6 +376,23 @@ def _nested_flash(q: Tensor, k: Tensor, v: Tensor, p: float, is_causal: bool, sc
                                         max_q, max_k, p, is_causal, False, scale=scale)[0]
     nested = torch.nested.nested_tensor_from_jagged(out, qt.offsets(), max_seqlen=max_q)
     return nested.transpose(1, 2)
+
+
+def _at_query_heads(func, args: tuple) -> tuple:
+    """sdpa's flash op's arguments with grouped kv heads (enable_gqa: fewer k, v heads than q's) as
+    meta tensors of the query's heads, for torch's flop formula, which (torch 2.11) refuses them:
+    each kv head serves its group of query heads, so the FLOPs are those of the expanded heads."""
+    if "flash_attention" not in str(func) or len(args) < 3:
+        return args
+    heads = args[0].shape[-3] if args[0].dim() == 4 else None
+    if heads is None or all(a.shape[-3] == heads for a in args[:3] if isinstance(a, Tensor) and a.dim() == 4):
+        return args
+
+    def widened(a: Any) -> Any:
+        if isinstance(a, Tensor) and a.dim() == 4 and a.shape[-3] != heads:
+            return torch.empty((a.shape[0], heads, *a.shape[2:]), dtype=a.dtype, device="meta")
+        return a
+    return tuple(widened(a) for a in args)
 
 
 class CudaSemantics(TorchFunctionMode):
