@@ -401,3 +401,26 @@ def test_tempos_own_bert_trains_through_the_fused_head_as_through_its_logits():
         torch.testing.assert_close(g1[key], g0[key], rtol=1e-5, atol=1e-6 * largest)
     fused.eval()
     assert fused(*batch).prediction_scores.shape[:2] == (2, 4)
+
+
+def test_trls_sft_trainer_trains_a_patched_causal_lm_with_its_token_metrics(tmp_path):
+    """TRL's SFTTrainer (1.16: it installs its own fused LM head on the model, over Tempo's) trains a
+    patched Qwen3 and logs its entropy and token accuracy: no logits are needed from Tempo's head."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t2"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1",
+                                                     unk_token="t2")
+    torch.manual_seed(0)
+    model = apply_tempo(MODELS["qwen3"]())
+    data = datasets.Dataset.from_dict({"input_ids": [[2 + (i * 7 + j) % 90 for j in range(12)] for i in range(8)]})
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                         logging_steps=1, use_cpu=True, save_strategy="no",
+                         dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert {"loss", "entropy", "mean_token_accuracy"} <= logged.keys() and torch.isfinite(torch.tensor(logged["loss"]))
