@@ -20,8 +20,8 @@ backward to run**, runs the base model and then:
 
 Then ``outputs.logits`` is None: the logits are never formed. Everything else (eval, ``no_grad``,
 generation, calls without labels) is the model's own forward, so logits are there where a user reads
-them. What a training loop needs from logits in training (TRL's token-accuracy and entropy metrics)
-is not there: pass ``lm_loss=False`` to apply_tempo for those.
+them. A training loop that reads logits in training needs ``lm_loss=False``; TRL's SFTTrainer (1.16)
+installs its own fused head on the model instance, which then runs instead of this one.
 """
 
 from __future__ import annotations
