@@ -424,3 +424,21 @@ def test_trls_sft_trainer_trains_a_patched_causal_lm_with_its_token_metrics(tmp_
     trainer.train()
     logged = trainer.state.log_history[0]
     assert {"loss", "entropy", "mean_token_accuracy"} <= logged.keys() and torch.isfinite(torch.tensor(logged["loss"]))
+
+
+def test_a_peft_lora_model_trains_through_the_fused_head_as_the_stock_one():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    stock = MODELS["llama"]()
+    tempo = apply_tempo(copy.deepcopy(stock))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    models = []
+    for model in (stock, tempo):
+        torch.manual_seed(1)
+        models.append(peft.get_peft_model(model, config).train())
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(6))
+    (o0, g0), (o1, g1) = step(models[0], input_ids=ids, labels=ids), step(models[1], input_ids=ids, labels=ids)
+    assert o1.logits is None and g1.keys() == g0.keys() and all("lora" in k for k in g0)
+    torch.testing.assert_close(o1.loss, o0.loss, rtol=1e-5, atol=0)
+    for key in g0:
+        torch.testing.assert_close(g1[key], g0[key], rtol=1e-5, atol=1e-5 * g0[key].abs().max().item())
