@@ -442,3 +442,27 @@ def test_a_peft_lora_model_trains_through_the_fused_head_as_the_stock_one():
     torch.testing.assert_close(o1.loss, o0.loss, rtol=1e-5, atol=0)
     for key in g0:
         torch.testing.assert_close(g1[key], g0[key], rtol=1e-5, atol=1e-5 * g0[key].abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_is_switched_as_the_fp32_one_and_steps_under_autocast_too(dtype):
+    stock, tempo = pair("qwen3")
+    low = apply_tempo(copy.deepcopy(stock).to(dtype)).train()
+    assert isinstance(low, FusedLossLM) and type(low).__mro__[1:] == type(tempo).__mro__[1:]
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(7))
+    out = low(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.logits is None and torch.isfinite(out.loss) and low.lm_head.weight.grad.dtype == dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (o0, g0), (o1, g1) = step(stock, input_ids=ids, labels=ids), step(tempo, input_ids=ids, labels=ids)
+    assert o1.logits is None and g1.keys() == g0.keys()
+    torch.testing.assert_close(o1.loss, o0.loss, rtol=2e-2, atol=0)
+
+
+def test_a_deep_copy_reverts_without_touching_the_original():
+    _stock, tempo = pair("gpt2")
+    copied = copy.deepcopy(tempo)
+    revert_tempo(copied)
+    assert not isinstance(copied, FusedLossLM) and isinstance(tempo, FusedLossLM)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(8))
+    assert tempo(input_ids=ids, labels=ids).logits is None and copied(input_ids=ids, labels=ids).logits is not None

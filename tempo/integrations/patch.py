@@ -340,9 +340,9 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
     False leaves it. ``dropout_add_layernorm``: the BERT family's residual blocks (BERT, RoBERTa,
     XLM-R, CamemBERT, ELECTRA, DeBERTa-v2/v3) -> ``FusedResidualOutput`` (one DropoutAddLayerNorm,
     same state_dict keys), and every other plain ``nn.Dropout`` -> ``SeededDropout`` (a class switch:
-    it keeps a seed, not its mask; tempo.ops.dropout). ``lm_loss``: a causal LM's head and loss, in
-    training with labels, through ``tempo.ops.linear_cross_entropy`` (no logits; ``outputs.logits`` is
-    None then; a class switch, tempo.integrations.lm_loss).
+    it keeps a seed, not its mask; tempo.ops.dropout). ``lm_loss``: a causal or masked LM's head and
+    loss, in training with labels, through ``tempo.ops.linear_cross_entropy`` (no logits; ``outputs.logits``
+    is None then; a class switch, tempo.integrations.lm_loss).
     The paper's three layers:
     ``apply_tempo(model, attention="tempo", dropout_add_layernorm=False)``.
     See the module docstring for the rules (idempotent, all or nothing, stock behaviour).
@@ -398,7 +398,7 @@ def apply_tempo(model: nn.Module, gelu: bool = _DEFAULT.gelu, layernorm: bool = 
         # The dropouts left as modules (inline residual, embedding, classifier) keep a seed, not a mask.
         if options_for_modules.dropout_add_layernorm:
             switched.extend(seed_dropouts(model))
-        # A causal LM's head and loss without the logits in training (tempo.integrations.lm_loss).
+        # A causal or masked LM's head and loss without the logits in training (tempo.integrations.lm_loss).
         if options_for_modules.lm_loss:
             switched.extend(fuse_lm_loss(model))
     except BaseException:

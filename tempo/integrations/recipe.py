@@ -60,7 +60,7 @@ class Options:
     attention: Optional[str]  # "tempo" (Combined), "efficient", or None (leave attention alone)
     dropout_add_layernorm: bool
     attention_named: bool = False  # the caller named an attention (not the default): refusing it raises
-    lm_loss: bool = True  # a causal LM's head and loss fused (tempo.integrations.lm_loss)
+    lm_loss: bool = True  # a causal or masked LM's head and loss fused (tempo.integrations.lm_loss)
 
     def describe(self) -> str:
         attention = repr(self.attention) if self.attention is not None else "False"
