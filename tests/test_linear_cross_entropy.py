@@ -336,6 +336,12 @@ MASKED = {
     "eurobert": lambda: transformers.EuroBertForMaskedLM(transformers.EuroBertConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)),
+    # legacy (the default): a BERT-like head with a Linear decoder; not legacy: the word embeddings and a bias
+    "deberta-v2-legacy": lambda: transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
+        **ENCODER, relative_attention=True, position_buckets=8, pos_att_type=["c2p", "p2c"])),
+    "deberta-v2": lambda: transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
+        **ENCODER, relative_attention=True, position_buckets=8, pos_att_type=["c2p", "p2c"], legacy=False)),
+    "deberta": lambda: transformers.DebertaForMaskedLM(transformers.DebertaConfig(**ENCODER, legacy=False)),
 }
 
 
@@ -363,9 +369,10 @@ def test_a_masked_lm_step_equals_the_stock_one_through_the_labelled_positions_on
         torch.testing.assert_close(g1[key], g0[key], rtol=1e-5, atol=1e-6 * largest)
 
 
-def test_a_compiled_masked_lm_step_breaks_no_graph_and_gives_the_eager_loss():
+@pytest.mark.parametrize("name", ["bert", "deberta-v2"])
+def test_a_compiled_masked_lm_step_breaks_no_graph_and_gives_the_eager_loss(name):
     torch.manual_seed(0)
-    model = apply_tempo(MASKED["bert"]()).train()
+    model = apply_tempo(MASKED[name]()).train()
     batch = masked_batch()
     explained = torch._dynamo.explain(lambda **b: model(**b).loss)(**batch)
     assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]

@@ -11,7 +11,7 @@ backward to run**, runs the base model and then:
   * causal LM: shifts the labels as ``ForCausalLMLoss`` does (or takes ``shift_labels``) and computes
     the loss with the fused op from the hidden states, the head's weight (tied or not) and bias,
     ``num_items_in_batch``, ``ignore_index`` and Gemma's ``final_logit_softcapping``;
-  * masked LM (BERT, RoBERTa, XLM-R, CamemBERT, MPNet, ModernBERT, EuroBERT: ``MLM_HEADS``): gathers
+  * masked LM (BERT, RoBERTa, XLM-R, CamemBERT, MPNet, ModernBERT, EuroBERT, DeBERTa v1/v2: ``MLM_HEADS``): gathers
     the labelled positions, runs the family's prediction transform on them alone, and the fused op
     with the decoder; the mean over labelled positions as the family's own loss (``num_items_in_batch``
     where the family's loss_function takes it). Under ``torch.compile`` every position goes through
@@ -48,24 +48,37 @@ def _dense_gelu_norm(head: nn.Module) -> Callable:
     return lambda x: head.layer_norm(F.gelu(head.dense(x)))  # RobertaLMHead.forward's transform
 
 
+def _dense_act_norm(head: nn.Module) -> Callable:
+    return lambda x: head.LayerNorm(head.transform_act_fn(head.dense(x)))  # DebertaV2LMPredictionHead's
+
+
+def _linear(layer: nn.Module) -> tuple:
+    return layer.weight, layer.bias
+
+
 # A masked LM's head, by the class of the model's child holding it -> (the prediction transform as a
-# function of the model, the decoder Linear as one): each family's forward, read in transformers 5.17
-# and 5.25, and tested against the stock model (tests/test_linear_cross_entropy.py).
-MLM_HEADS: dict[str, tuple[Callable[[nn.Module], Callable], Callable[[nn.Module], nn.Module]]] = {
-    "BertOnlyMLMHead": (lambda m: m.cls.predictions.transform, lambda m: m.cls.predictions.decoder),
-    **{name: (lambda m: _dense_gelu_norm(m.lm_head), lambda m: m.lm_head.decoder)
+# function of the model, the decoder's (weight, bias) as one): each family's forward, read in
+# transformers 5.17 and 5.25, and tested against the stock model (tests/test_linear_cross_entropy.py).
+# DeBERTa's non-legacy head multiplies by the word embeddings and adds its own bias (no Linear).
+MLM_HEADS: dict[str, tuple[Callable[[nn.Module], Callable], Callable[[nn.Module], tuple]]] = {
+    **{name: (lambda m: m.cls.predictions.transform, lambda m: _linear(m.cls.predictions.decoder))
+       for name in ("BertOnlyMLMHead", "LegacyDebertaV2OnlyMLMHead", "LegacyDebertaOnlyMLMHead")},
+    **{name: (lambda m: _dense_gelu_norm(m.lm_head), lambda m: _linear(m.lm_head.decoder))
        for name in ("RobertaLMHead", "XLMRobertaLMHead", "CamembertLMHead", "MPNetLMHead")},
-    "ModernBertPredictionHead": (lambda m: m.head, lambda m: m.decoder),
+    **{name: (lambda m: _dense_act_norm(m.lm_predictions.lm_head),
+              lambda m: (m.base_model.embeddings.word_embeddings.weight, m.lm_predictions.lm_head.bias))
+       for name in ("DebertaV2OnlyMLMHead", "DebertaOnlyMLMHead")},
+    "ModernBertPredictionHead": (lambda m: m.head, lambda m: _linear(m.decoder)),
 }
 
 
-def _mlm_head(model: nn.Module) -> Optional[tuple[Callable[[nn.Module], Callable], Callable[[nn.Module], nn.Module]]]:
+def _mlm_head(model: nn.Module) -> Optional[tuple[Callable[[nn.Module], Callable], Callable[[nn.Module], tuple]]]:
     kinds = [type(child).__name__ for child in model.children()]
     found = [MLM_HEADS[k] for k in kinds if k in MLM_HEADS]
     if found:
         return found[0]
     if type(model).__name__ == "EuroBertForMaskedLM" and isinstance(getattr(model, "lm_head", None), nn.Linear):
-        return (lambda m: (lambda x: x)), (lambda m: m.lm_head)
+        return (lambda m: (lambda x: x)), (lambda m: _linear(m.lm_head))
     return None
 
 
@@ -99,14 +112,14 @@ class _Spec(NamedTuple):
     names: list  # forward's positional parameter names
     output_class: type
     fields: frozenset  # the output's fields carried over from the base model's output
-    masked: Optional[tuple]  # a masked LM's MLM_HEADS entry; None: a causal LM
+    masked: bool  # a masked LM (its head is looked up per instance: DeBERTa's depends on its config)
     items_divide: bool  # num_items_in_batch divides the sum (the family's loss_function takes it)
 
 
 _SPECS: dict[type, _Spec] = {}
 
 
-def _spec(cls: type, model: nn.Module) -> _Spec:
+def _spec(cls: type) -> _Spec:
     signature = inspect.signature(cls.forward)
     names = [n for n, p in signature.parameters.items() if n != "self" and p.kind in
              (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
@@ -121,8 +134,7 @@ def _spec(cls: type, model: nn.Module) -> _Spec:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         source = ""
-    return _Spec(names, output_class, fields, _mlm_head(model) if masked else None,
-                  not masked or "self.loss_function(" in source)
+    return _Spec(names, output_class, fields, masked, not masked or "self.loss_function(" in source)
 
 
 class FusedLossLM(nn.Module):
@@ -146,8 +158,8 @@ class FusedLossLM(nn.Module):
         return_dict = call.pop("return_dict", None)
         outputs = self.base_model(**call)
         items = call.get("num_items_in_batch") if spec.items_divide else None
-        if spec.masked is not None:
-            loss = self._masked_lm_loss(outputs[0], labels, spec.masked, items)
+        if spec.masked:
+            loss = self._masked_lm_loss(outputs[0], labels, _mlm_head(self), items)
         else:
             loss = self._causal_lm_loss(outputs[0], labels, call, items)
         result = spec.output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in spec.fields})
@@ -166,12 +178,12 @@ class FusedLossLM(nn.Module):
     def _masked_lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, head_of: tuple, items: Any) -> torch.Tensor:
         transform, decoder = head_of
         hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
-        head = decoder(self)
+        weight, bias = decoder(self)
         checked = not torch.compiler.is_compiling()
         if checked:  # only the labelled positions through the transform (one host read, the op's)
-            rows = labelled_rows(labels, -100, head.weight.shape[0])
+            rows = labelled_rows(labels, -100, weight.shape[0])
             hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
-        return linear_cross_entropy(transform(self)(hidden), head.weight, labels, head.bias, num_items_in_batch=items,
+        return linear_cross_entropy(transform(self)(hidden), weight, labels, bias, num_items_in_batch=items,
                                     rows_checked=checked)
 
 
@@ -186,7 +198,7 @@ def fuse_lm_loss(model: nn.Module) -> list[Switched]:
     original = type(model)
     if isinstance(model, FusedLossLM):
         return []
-    _SPECS.setdefault(original, _spec(original, model))
+    _SPECS.setdefault(original, _spec(original))
     model.__class__ = as_original_class(FusedLossLM, original)
     return [(model, original)]
 
