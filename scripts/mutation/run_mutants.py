@@ -76,6 +76,16 @@ FIRST = {
     "tempo/ops/_backend.py": ["test_stock_parity.py", "test_dropout_add_layernorm.py", "test_combined.py",
                               "test_efficient_attention.py"],
     "tempo/movement/workloads.py": ["test_movement.py", "test_movement_hand_counts.py"],
+    "tempo/movement/declarations.py": ["test_movement.py", "test_movement_hand_counts.py", "test_plan_heads.py"],
+    "tempo/movement/trace.py": ["test_movement.py", "test_movement_hand_counts.py", "test_plan_heads.py"],
+    "tempo/ops/linear_cross_entropy.py": ["test_linear_cross_entropy.py", "test_plan_heads.py", "test_movement.py"],
+    "tempo/integrations/lm_loss.py": ["test_linear_cross_entropy.py", "test_plan_heads.py"],
+    "tempo/plan/live.py": ["test_plan_band.py", "test_plan_confirm.py", "test_plan_heads.py"],
+    "tempo/plan/probe.py": ["test_plan_heads.py", "test_plan.py", "test_plan_band.py"],
+    "tempo/plan/trace.py": ["test_plan_heads.py", "test_plan.py", "test_plan_contracts.py"],
+    "tempo/plan/cli.py": ["test_plan_heads.py", "test_cli_numbers.py", "test_plan.py"],
+    "tempo/presets.py": ["test_presets.py", "test_plan_heads.py"],
+    "tempo/choices.py": ["test_bert_model.py", "test_pretraining.py"],
 }
 # grep patterns (fixed strings) naming a module in tests/: every file that matches is run too.
 GREP = {
