@@ -317,3 +317,45 @@ def test_json_schema(tmp_path, calibration):
     assert 0.4 < unpadded["flops"] / padded["flops"] < 0.6
     assert unpadded["bytes_read"] + unpadded["bytes_written"] < padded["bytes_read"] + padded["bytes_written"]
     assert not any(n["choice"].startswith("floor+unpad") for n in data.get("not_counted", []))
+
+
+def test_linear_cross_entropy_kernels_match_their_declarations():
+    """Both kernels of the fused head (every row kept, as the declaration counts), a bf16 GEMM under
+    autocast with an fp32 weight (its cast declared), 2 blocks, the second partial."""
+    from tempo.ops.linear_cross_entropy import linear_cross_entropy
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (6,))
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = linear_cross_entropy(x, w, t, label_smoothing=0.1, softcap=3.0, block=32)
+        loss.backward()
+
+    _check_against_interpreter(run)
+
+
+@pytest.mark.parametrize("hidden", [64, 1024])
+@pytest.mark.parametrize("dtype, margin", [(torch.float32, 0.9), (torch.bfloat16, 0.6)])
+def test_the_fused_head_moves_fewer_bytes_than_the_stock_head(dtype, margin, hidden):
+    """The head and loss of a training step, forward and backward, declared as CUDA runs them: the
+    fused op (a GEMM more, the logits never stored in fp32) against F.linear + .float() +
+    F.cross_entropy, every row labelled (a causal LM): at most 90 % of stock's bytes in fp32, 60 % in
+    bf16 (measured: 0.87 and 0.51 at h = 1024, rows 2,048, vocabulary 32,768)."""
+    from tempo.ops.linear_cross_entropy import linear_cross_entropy
+
+    rows, vocab = 2048, 32768
+    session = FakeSession()
+    x = session.fake_tensor((rows, hidden), torch.float32, requires_grad=True)
+    w = session.fake_tensor((vocab, hidden), torch.float32, requires_grad=True)
+    t = session.fake_tensor((rows,), torch.int64)
+    autocast = dtype if dtype != torch.float32 else None
+    moved = {}
+    for name, loss in [("stock", lambda: F.cross_entropy(F.linear(x, w).float(), t)),
+                       ("fused", lambda: linear_cross_entropy(x, w, t, rows_checked=True))]:
+        x.grad = w.grad = None  # each a step's first backward (no gradient accumulation counted)
+        trace = session.trace(loss, autocast_dtype=autocast)
+        moved[name] = sum(k.moved for _, k in _kernels(trace))
+    assert moved["fused"] <= margin * moved["stock"], moved

@@ -27,3 +27,29 @@ def test_a_grouped_query_decoder_plans_without_tempo():
     result = plan(build_family("llama-3.2-1b", "causal-lm", layers=4), budget="24GiB", lengths=1024, device="h100",
                   tempo=False)
     assert result.tokens_per_step > 0 and result.tempo == {}
+
+
+def test_a_cuda_step_counts_the_kernels_scratch_and_a_cpu_step_the_reference_paths():
+    """The fused op's inside, added at the op by the timeline: the Triton path's for a CUDA trace (no
+    fp32 block), the reference path's otherwise (trace_step sets ``kernels`` from its semantics)."""
+    import torch
+
+    from tempo.movement.trace import FakeSession
+    from tempo.ops.linear_cross_entropy import linear_cross_entropy, scratch_bytes, vocab_block
+    from tempo.plan.trace import MemoryTimeline
+
+    rows, hidden, vocab = 512, 64, 3000
+    peaks = {}
+    for kernels in (False, True):
+        session = FakeSession()
+        x = session.fake_tensor((rows, hidden), requires_grad=True)
+        w = session.fake_tensor((vocab, hidden), requires_grad=True)
+        t = session.fake_tensor((rows,), torch.int64)
+        timeline = MemoryTimeline(kernels=kernels)
+        timeline.enter(("fwd", 0))
+        with session.mode, timeline:
+            linear_cross_entropy(x, w, t, rows_checked=True)
+        peaks[kernels] = max(s.peak for s in timeline.segments.values())
+    shape = (rows, vocab, hidden, vocab_block(vocab, hidden), torch.float32, torch.float32, torch.float32, False, False)
+    assert peaks[False] - peaks[True] == scratch_bytes(*shape) - scratch_bytes(*shape, kernel=True) > 0
+    assert scratch_bytes(*shape, kernel=True) == rows * hidden * 4 + 96 * rows + rows * vocab_block(vocab, hidden) * 4

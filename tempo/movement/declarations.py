@@ -649,15 +649,16 @@ def _dal_backward(call: OpCall, target: Target) -> list[Kernel]:
 
 
 def _linear_cross_entropy(call: OpCall, backward: bool) -> list[Kernel]:
-    """tempo.ops.linear_cross_entropy's blocks as its PyTorch code runs them on CUDA (every row
-    counted as kept: a trace cannot read the targets). Forward, per block of vocabulary columns: the
-    weight block's cast, the GEMM (rows x block), its fp32 copy, softcap (3 passes), logsumexp (max,
-    z − max, exp, sum: 4 passes); backward the same GEMM and copy, exp(z − lse) (2 passes), the
-    scale, softcap's derivative (3), the 16-bit dz, and two GEMMs: the rows' gradient (added into
-    an fp32 sum) and the block's weight gradient (written once). Before the blocks: the kept rows'
-    gather and cast; backward's end: the rows' gradient scattered into a zeroed dx."""
+    """tempo.ops.linear_cross_entropy's blocks as it runs them on CUDA, its Triton path (every row
+    counted as kept: a trace cannot read the targets). Before the blocks: the kept rows' gather and
+    cast. Per block of vocabulary columns: the weight block's cast (when its dtype is not the GEMM's),
+    the GEMM (rows x block) and the rows' target column in the block (int32); forward,
+    _lce_block_fwd_kernel reads the GEMM's output once and writes 3 fp32 per row; backward,
+    _lce_block_bwd_kernel reads it and 4 fp32 per row and writes the gradient over it, then two GEMMs:
+    the rows' gradient (added into an fp32 sum) and the block's weight gradient (written once).
+    Backward's end: the rows' gradient scattered into a zeroed dx."""
     x, weight = call.arg("x"), call.arg("weight")
-    dtype, block, softcap = call.arg("dtype"), call.arg("block"), call.arg("softcap") > 0
+    dtype, block = call.arg("dtype"), call.arg("block")
     rows, hidden = x.shape
     vocab = weight.shape[0]
     ds, acc = _size(dtype), 4
@@ -671,21 +672,18 @@ def _linear_cross_entropy(call: OpCall, backward: bool) -> list[Kernel]:
                                   cols * hidden * ds))
         kernels.append(Kernel("linear(x, weight[block])", CONTRACTION, (rows + cols) * hidden * ds, logits * ds,
                               2 * logits * hidden, dtype))
-        kernels.append(Kernel("logits.float()", ELEMENTWISE, logits * ds, logits * acc))
-        passes = 3 if softcap else 0
-        if backward:
-            passes += 2 + 1 + (3 if softcap else 0)  # z − lse and exp; the scale; softcap's derivative
-            kernels.append(Kernel("dz.to(dtype)", ELEMENTWISE, logits * acc, logits * ds))
-            kernels.append(Kernel("dz @ weight[block] (+= in fp32)", CONTRACTION, logits * ds + cols * hidden * ds,
-                                  rows * hidden * ds, 2 * logits * hidden, dtype))
-            kernels.append(Kernel("dx_sum += (fp32)", ELEMENTWISE, rows * hidden * (ds + acc), rows * hidden * acc))
-            kernels.append(Kernel("dzᵀ @ x (the block's weight gradient)", CONTRACTION,
-                                  logits * ds + rows * hidden * ds, cols * hidden * weight.itemsize,
-                                  2 * logits * hidden, dtype))
-        else:
-            passes += 4  # logsumexp: max, z − max, exp, sum
-        kernels.append(Kernel("the block's element-wise passes", ELEMENTWISE, passes * logits * acc,
-                              passes * logits * acc))
+        kernels.append(Kernel("the target's column in the block", ELEMENTWISE, 8 * rows, 4 * rows))
+        if not backward:
+            kernels.append(Kernel("_lce_block_fwd_kernel", ELEMENTWISE, logits * ds + 4 * rows, 3 * acc * rows,
+                                  triton=True))
+            continue
+        kernels.append(Kernel("_lce_block_bwd_kernel", ELEMENTWISE, logits * ds + 4 * rows + 4 * acc * rows,
+                              logits * ds, triton=True))
+        kernels.append(Kernel("dz @ weight[block] (+= in fp32)", CONTRACTION, logits * ds + cols * hidden * ds,
+                              rows * hidden * ds, 2 * logits * hidden, dtype))
+        kernels.append(Kernel("dx_sum += (fp32)", ELEMENTWISE, rows * hidden * (ds + acc), rows * hidden * acc))
+        kernels.append(Kernel("dzᵀ @ x (the block's weight gradient)", CONTRACTION, logits * ds + rows * hidden * ds,
+                              cols * hidden * weight.itemsize, 2 * logits * hidden, dtype))
     if backward:
         kernels.append(Kernel("dx.index_copy_(kept rows)", ELEMENTWISE, rows * hidden * acc,
                               rows * hidden * x.itemsize * 2))

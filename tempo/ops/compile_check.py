@@ -36,7 +36,8 @@ forward, both backward kernels and the keep-mask kernel), the gated MLP (``tempo
 I = 3072 and an odd fused 2 × 1001; SiLU, exact and tanh GELU; dropout on/off; fp32/fp16/bf16), and
 RMSNorm (``tempo.ops.rmsnorm``: h = 1024, 4096, 16384; fp32/fp16/bf16; w and 1 + w; with and
 without kept columns, and without a weight; a bf16 input with fp32 weights, output fp32 or bf16),
-and the seeded dropout (``tempo.ops.dropout``: fp32/fp16/bf16).
+and the seeded dropout (``tempo.ops.dropout``: fp32/fp16/bf16), and the fused head's two row kernels
+(``tempo.ops.linear_cross_entropy``: fp32/fp16/bf16, softcap on/off).
 About 100 s on 2 cores with an empty triton cache (300 compiles).
 """
 
@@ -449,11 +450,29 @@ def _seeded_dropout_workload(log: Callable[[str], None]) -> None:
     log("seeded_dropout: fp32/fp16/bf16; 4096 and 4097 elements")
 
 
+def _linear_cross_entropy_workload(log: Callable[[str], None]) -> None:
+    import torch
+
+    from tempo.ops.linear_cross_entropy import linear_cross_entropy
+
+    # Two row kernels over a block of GEMM output in the GEMM's dtype (fp32, or 16 bits under autocast);
+    # the block width is a runtime int (4·hidden: 4096 for h = 1024, and an odd last block), softcap on/off.
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for softcap in (None, 30.0):
+            x = torch.randn(4, 1024, requires_grad=True)
+            w = torch.randn(4096 + 1001, 1024, requires_grad=True)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                loss = linear_cross_entropy(x, w, torch.tensor([0, 7, 4096, 5096]), softcap=softcap)
+            _backward(loss, x, w)
+    log("linear_cross_entropy: fp32/fp16/bf16; blocks of 4096 and 1001 columns; softcap on/off")
+
+
 # The module each workload exercises (kernels there that no launch reached are reported).
 WORKLOAD_MODULES = {"layernorm": "tempo.ops.layernorm", "gelu": "tempo.ops.gelu", "combined": "tempo.ops.combined",
                     "dropout_add_layernorm": "tempo.ops.dropout_add_layernorm",
                     "disentangled_attention": "tempo.ops.disentangled_attention", "gated_mlp": "tempo.ops.gated_mlp",
-                    "rmsnorm": "tempo.ops.rmsnorm", "seeded_dropout": "tempo.ops.dropout"}
+                    "rmsnorm": "tempo.ops.rmsnorm", "seeded_dropout": "tempo.ops.dropout",
+                    "linear_cross_entropy": "tempo.ops.linear_cross_entropy"}
 
 WORKLOADS: dict[str, Callable[[Callable[[str], None]], None]] = {
     "layernorm": _layernorm_workload,
@@ -464,6 +483,7 @@ WORKLOADS: dict[str, Callable[[Callable[[str], None]], None]] = {
     "gated_mlp": _gated_mlp_workload,
     "rmsnorm": _rmsnorm_workload,
     "seeded_dropout": _seeded_dropout_workload,
+    "linear_cross_entropy": _linear_cross_entropy_workload,
 }
 
 

@@ -1,7 +1,7 @@
 """The language-model head and its cross-entropy in one op that never keeps the logits (issue 41).
 
 ``linear_cross_entropy(x, weight, target)`` is ``F.cross_entropy(F.linear(x, weight, bias).float(),
-target)`` over rows of x, computed a block of vocabulary columns at a time (``vocab_block``: 2·hidden
+target)`` over rows of x, computed a block of vocabulary columns at a time (``vocab_block``: 4·hidden
 columns): one block's logits [rows, block] live for a moment, none is kept for backward. What is kept
 per row is its log-sum-exp (4 bytes), combined over the blocks as they pass (logaddexp); the stock
 head keeps the logits' 16-bit copy and cross-entropy's fp32 log-softmax (6 bytes per row and
@@ -33,9 +33,13 @@ everything after them (log-sum-exp, softmax, the logits' gradient) in fp32, as t
 gradient is a sum of per-block GEMM outputs each rounded to 16 bits (stock rounds one GEMM output),
 summed in fp32: tests hold it within 1.5x of stock's own error against fp32.
 
-One implementation, PyTorch's GEMMs over blocks (cuBLAS on CUDA), on every device: the work is the
-GEMMs; a Triton kernel for the element-wise part between them (which reads and writes each block's
-logits about six times) is not written yet. torch 2.13's ``F.linear_cross_entropy`` is not used: it
+The GEMMs are PyTorch's (cuBLAS on CUDA). The element-wise work between them has two paths
+(tempo.ops._backend): "triton" (CUDA) reads each block's GEMM output once in forward (one kernel
+per row: softcap, online max and sum of exponentials, the target's logit, the row sum) and once in
+backward, writing the 16-bit gradient over it in place; "reference" (PyTorch: the CPU, fp64) makes
+an fp32 copy and about six passes over it. Both compute the same fp32 values from the same GEMM
+output; the kernel's log-sum-exp is online (rounding differs, not the value) and its tanh is
+exp-based (within a few ULP of torch's). torch 2.13's ``F.linear_cross_entropy`` is not used: it
 is absent from torch 2.11 and has no smoothing, z-loss or softcap in its chunked path, so results
 would change with the torch version.
 """
@@ -49,16 +53,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tempo.ops._backend import autocast_dtype_for, check_float_tensor
+from tempo.ops._backend import autocast_dtype_for, check_float_tensor, launch_on, resolve_backend
+from tempo.ops._backend import tl, triton  # None without triton (reference path only)
 
 OP = "linear_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
 
 
 def vocab_block(vocab: int, hidden: int) -> int:
-    """Vocabulary columns per block: 2·hidden (at least 256), so one block's fp32 logits over the rows
-    are twice their fp32 hidden states; the whole vocabulary when it is smaller."""
-    return min(vocab, max(256, 2 * hidden))
+    """Vocabulary columns per block: 4·hidden (at least 512; the whole vocabulary when it is smaller).
+    One block's 16-bit logits over the rows are then twice the rows' fp32 hidden states (the Triton
+    path holds that block alone; the reference path its fp32 copy and temporaries too). Each block
+    reads the rows again in each GEMM: 1/4 of the block's logits' bytes in 16 bits, which keeps the
+    head's bytes moved below the stock head's (tests/test_movement.py)."""
+    return min(vocab, max(512, 4 * hidden))
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -66,14 +74,98 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _block_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int, dtype: torch.dtype) -> Tensor:
+    """The rows' logits over vocabulary columns [v0, v1) as the GEMM in ``dtype`` gives them."""
+    b = bias[v0:v1].to(dtype) if bias is not None else None
+    return F.linear(x, weight[v0:v1].to(dtype), b)
+
+
 def _block_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int, dtype: torch.dtype,
                   softcap: float) -> Tensor:
-    """The rows' logits over vocabulary columns [v0, v1), from x already in the GEMM's ``dtype``: the
-    GEMM in ``dtype``, then fp32 (softcapped when ``softcap`` > 0)."""
-    b = bias[v0:v1].to(dtype) if bias is not None else None
-    z = F.linear(x, weight[v0:v1].to(dtype), b)
-    z = z.to(_acc(dtype))
+    """``_block_gemm``'s logits in fp32, softcapped when ``softcap`` > 0 (the reference path)."""
+    z = _block_gemm(x, weight, bias, v0, v1, dtype).to(_acc(dtype))
     return z.div(softcap).tanh_().mul_(softcap) if softcap > 0 else z
+
+
+_COLUMNS = 1024  # the kernels' columns per step along a row
+
+if triton is not None:
+
+    @triton.jit
+    def _softcapped(z, cap, SOFTCAP: tl.constexpr):
+        """cap·tanh(z/cap) in fp32 without libdevice: a Taylor series to u⁷ for |u| < 0.1 (next term
+        2e-10 relative), else (1 − e)/(1 + e) with e = exp(−2|u|)."""
+        if SOFTCAP:
+            u = z / cap
+            a = tl.abs(u)
+            e = tl.exp(-2.0 * a)
+            big = (1.0 - e) / (1.0 + e)
+            u2 = u * u
+            small = a * (1.0 - u2 * (1.0 / 3.0 - u2 * (2.0 / 15.0 - u2 * (17.0 / 315.0))))
+            t = tl.where(a < 0.1, small, big)
+            z = cap * tl.where(u < 0, -t, t)
+        return z
+
+    @triton.jit
+    def _lce_block_fwd_kernel(Z, COLUMN, OUT, rows, n_cols, cap, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+        """One row of a block's logits: OUT[0] = its log-sum-exp, OUT[1] = the logit at COLUMN (0 when
+        −1: the target is in another block), OUT[2] = the row's sum (label smoothing's)."""
+        row = tl.program_id(0)
+        column = tl.load(COLUMN + row)
+        top = -float("inf")
+        total = 0.0
+        hit = 0.0
+        plain = 0.0
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < n_cols
+            z = _softcapped(tl.load(Z + row.to(tl.int64) * n_cols + offs, mask=inside, other=0.0).to(tl.float32),
+                            cap, SOFTCAP)
+            new_top = tl.maximum(top, tl.max(tl.where(inside, z, -float("inf")), 0))
+            total = total * tl.exp(top - new_top) + tl.sum(tl.where(inside, tl.exp(z - new_top), 0.0), 0)
+            top = new_top
+            hit += tl.sum(tl.where(offs == column, z, 0.0), 0)
+            plain += tl.sum(tl.where(inside, z, 0.0), 0)
+        tl.store(OUT + row, top + tl.log(total))
+        tl.store(OUT + rows + row, hit)
+        tl.store(OUT + 2 * rows + row, plain)
+
+    @triton.jit
+    def _lce_block_bwd_kernel(Z, COLUMN, LSE, SCALE, AT_TARGET, EVERYWHERE, n_cols, cap, SOFTCAP: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """One row of a block's logits overwritten by d loss / d z: exp(z − lse)·SCALE − AT_TARGET at
+        COLUMN − EVERYWHERE, times softcap's derivative 1 − (z/cap)², stored in Z's dtype."""
+        row = tl.program_id(0)
+        column = tl.load(COLUMN + row)
+        lse = tl.load(LSE + row)
+        scale = tl.load(SCALE + row)
+        at_target = tl.load(AT_TARGET + row)
+        everywhere = tl.load(EVERYWHERE + row)
+        base = Z + row.to(tl.int64) * n_cols
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < n_cols
+            z = _softcapped(tl.load(base + offs, mask=inside, other=0.0).to(tl.float32), cap, SOFTCAP)
+            dz = tl.exp(z - lse) * scale - tl.where(offs == column, at_target, 0.0) - everywhere
+            if SOFTCAP:
+                q = z / cap
+                dz = dz * (1.0 - q * q)
+            tl.store(base + offs, dz.to(Z.dtype.element_ty), mask=inside)
+
+
+def _kernel_columns(tk: Tensor, v0: int, v1: int) -> Tensor:
+    """Each row's target column within [v0, v1), −1 where it lies in another block (int32)."""
+    inside, column = _target_in_block(tk, v0, v1)
+    return torch.where(inside, column, -1).to(torch.int32)
+
+
+def _block_stats_triton(z: Tensor, columns: Tensor, softcap: float) -> Tensor:
+    """[3, rows] fp32: per row of the GEMM output z, its log-sum-exp, the target's logit, the sum."""
+    out = torch.empty(3, z.shape[0], dtype=torch.float32, device=z.device)
+    with launch_on(z):
+        _lce_block_fwd_kernel[(z.shape[0],)](z, columns, out, z.shape[0], z.shape[1], softcap, SOFTCAP=softcap > 0,
+                                             BLOCK=_COLUMNS, num_warps=4)
+    return out
 
 
 def _logsumexp(z: Tensor) -> Tensor:
@@ -125,7 +217,7 @@ def _take(t: Tensor, rows: Optional[Tensor]) -> Tensor:
 
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
              smoothing: float, z_loss: float, checked: bool, softcap: float, dtype: torch.dtype,
-             block: int) -> tuple[Tensor, Tensor, Tensor]:
+             block: int, backend: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
     acc = _acc(dtype)
     loss = x.new_zeros(x.shape[0], dtype=acc)
     lse = torch.zeros_like(loss)
@@ -135,13 +227,20 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
     z_target, z_sum = torch.zeros_like(row_lse), torch.zeros_like(row_lse)
     for v0 in range(0, weight.shape[0], block):
         v1 = min(v0 + block, weight.shape[0])
+        if backend == "triton" and tk.shape[0]:
+            stats = _block_stats_triton(_block_gemm(xk, weight, bias, v0, v1, dtype), _kernel_columns(tk, v0, v1),
+                                        softcap)
+            row_lse = torch.logaddexp(row_lse, stats[0])
+            z_target += stats[1]
+            z_sum += stats[2]
+            continue
         z = _block_logits(xk, weight, bias, v0, v1, dtype, softcap)
         row_lse = torch.logaddexp(row_lse, _logsumexp(z))
         inside, column = _target_in_block(tk, v0, v1)
         z_target += torch.where(inside, z.gather(1, column[:, None]).squeeze(1), 0)
         if smoothing:
             z_sum += z.sum(dim=-1)
-        del z  # before the next block's: one block alive at a time
+        del z, inside, column  # before the next block's: one block alive at a time, the same vectors in each
     row_loss = row_lse - z_target
     if smoothing:
         row_loss = (1 - smoothing) * row_loss + smoothing * (row_lse - z_sum / weight.shape[0])
@@ -155,21 +254,21 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
 @torch.library.custom_op("tempo::linear_cross_entropy_fwd", mutates_args=())
 def _fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
             smoothing: float, z_loss: float, checked: bool, softcap: float, dtype: torch.dtype,
-            block: int) -> tuple[Tensor, Tensor, Tensor]:
+            block: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """x [N, h], weight [V, h], target [N] -> (loss per row, log-sum-exp per row: both fp32 [N], 0 at
     ignored rows; the count of rows kept, a CPU int64 scalar for backward)."""
-    return _forward(x, weight, bias, target, ignore_index, smoothing, z_loss, checked, softcap, dtype, block)
+    return _forward(x, weight, bias, target, ignore_index, smoothing, z_loss, checked, softcap, dtype, block, backend)
 
 
 @_fwd_op.register_fake
-def _(x, weight, bias, target, ignore_index, smoothing, z_loss, checked, softcap, dtype, block):
+def _(x, weight, bias, target, ignore_index, smoothing, z_loss, checked, softcap, dtype, block, backend):
     loss = x.new_empty(x.shape[0], dtype=_acc(dtype))
     return loss, torch.empty_like(loss), torch.empty((), dtype=torch.int64, device="cpu")
 
 
 def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
                    count: Tensor, ignore_index: int, smoothing: float, z_loss: float, checked: bool, softcap: float,
-                   dtype: torch.dtype, block: int) -> tuple[Tensor, Tensor, Tensor]:
+                   dtype: torch.dtype, block: int, backend: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
     vocab = weight.shape[0]
     acc = _acc(dtype)
     dw = torch.empty_like(weight)
@@ -180,8 +279,23 @@ def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tenso
     row_lse, g = _take(lse, rows), _take(grad, rows).to(acc)
     dxk = torch.zeros(xk.shape, dtype=acc, device=x.device)
     scale = (g * (1 + 2 * z_loss * row_lse))[:, None]
+    kernel = backend == "triton" and xk.shape[0] > 0
+    if kernel:  # per row: the target's coefficient and label smoothing's, for the kernel
+        at_target, everywhere = g * (1 - smoothing), g * (smoothing / vocab)
     for v0 in range(0, vocab, block):
         v1 = min(v0 + block, vocab)
+        if kernel:
+            dz = _block_gemm(xk, weight, bias, v0, v1, dtype)
+            with launch_on(dz):
+                _lce_block_bwd_kernel[(dz.shape[0],)](dz, _kernel_columns(tk, v0, v1), row_lse, scale, at_target,
+                                                      everywhere, dz.shape[1], softcap, SOFTCAP=softcap > 0,
+                                                      BLOCK=_COLUMNS, num_warps=4)
+            dxk += dz.mm(weight[v0:v1].to(dtype))
+            dw[v0:v1] = dz.t().mm(xk)
+            if bias is not None:
+                db[v0:v1] = dz.sum(0, dtype=acc)
+            del dz
+            continue
         z = _block_logits(xk, weight, bias, v0, v1, dtype, softcap)
         # d loss / d z = softmax·(1 + 2λ·lse) − (1 − ε)·onehot(t) − ε/V, times the row's upstream gradient
         dz = (z - row_lse[:, None]).exp_().mul_(scale)
@@ -206,15 +320,16 @@ def _backward_impl(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tenso
 @torch.library.custom_op("tempo::linear_cross_entropy_bwd", mutates_args=())
 def _bwd_op(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
             count: Tensor, ignore_index: int, smoothing: float, z_loss: float, checked: bool, softcap: float,
-            dtype: torch.dtype, block: int) -> tuple[Tensor, Tensor, Tensor]:
+            dtype: torch.dtype, block: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dx like x, dweight like weight, dbias like bias or empty) of the loss per row with upstream
     gradient ``grad`` [N]; each block's logits recomputed, softmax = exp(z − lse)."""
     return _backward_impl(grad, x, weight, bias, target, lse, count, ignore_index, smoothing, z_loss, checked,
-                          softcap, dtype, block)
+                          softcap, dtype, block, backend)
 
 
 @_bwd_op.register_fake
-def _(grad, x, weight, bias, target, lse, count, ignore_index, smoothing, z_loss, checked, softcap, dtype, block):
+def _(grad, x, weight, bias, target, lse, count, ignore_index, smoothing, z_loss, checked, softcap, dtype, block,
+      backend):
     db = weight.new_empty(weight.shape[0] if bias is not None else 0,
                           dtype=bias.dtype if bias is not None else _acc(dtype))
     return torch.empty_like(x), torch.empty_like(weight), db
@@ -230,28 +345,39 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_count):
     x, weight, bias, target, lse, count = ctx.saved_tensors
     dx, dw, db = torch.ops.tempo.linear_cross_entropy_bwd(grad_loss.contiguous(), x, weight, bias, target, lse,
                                                            count, *ctx.settings)
-    return (dx, dw, db if bias is not None else None) + (None,) * 8
+    return (dx, dw, db if bias is not None else None) + (None,) * 9
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def scratch_bytes(rows: int, vocab: int, hidden: int, block: int, x_dtype: torch.dtype, weight_dtype: torch.dtype,
-                  dtype: torch.dtype, softcap: bool, backward: bool) -> int:
+                  dtype: torch.dtype, softcap: bool, backward: bool, kernel: bool = False) -> int:
     """Bytes the op holds at its internal peak beyond its inputs and outputs, for ``rows`` kept rows:
     what a memory trace that sees the op but not the ops inside it must add at that op (tempo.plan's
-    timeline does). The rows in the GEMM's dtype (in backward also their fp32 gradient sum) and ~45
-    bytes of vectors per row, then the largest moment of one block: the weight block's cast beside
+    timeline does). The rows in the GEMM's dtype (in backward also their fp32 gradient sum) and 36
+    bytes of vectors per row (measured), then the largest moment of one block: the weight block's cast beside
     the GEMM's output; that output beside its fp32 copy; two fp32 blocks (softcap's z/c, z − max,
     z − lse beside z; three with softcap's derivative in backward); in backward the 16-bit dz beside
     the fp32 one, and beside the weight block's cast and the rows' partial gradient, or the block's
     weight gradient. The code keeps to these moments (in-place ops, ``del`` between blocks);
-    tests/test_linear_cross_entropy.py measures them on the CPU."""
+    tests/test_linear_cross_entropy.py measures them on the CPU.
+
+    ``kernel``: the Triton path (CUDA), by construction (the interpreter copies a kernel's arguments,
+    so the CPU cannot measure it): no fp32 block, only the GEMM's output, overwritten in place by its
+    gradient in backward; per row at most 96 bytes of vectors (the reference's 36, the kernels' target
+    column and its temporaries, 29, the forward kernel's 3 fp32 outputs, backward's 2 coefficients)."""
     ds, xs, acc = (torch.empty((), dtype=d).element_size() for d in (dtype, x_dtype, _acc(dtype)))
     cast = block * hidden * ds if weight_dtype != dtype else 0
     logits = min(block, vocab) * rows
+    if kernel:
+        base = rows * hidden * ds + 96 * rows
+        if not backward:
+            return base + cast + logits * ds
+        return base + rows * hidden * acc + max(logits * ds + cast + rows * hidden * ds,
+                                                logits * ds + block * hidden * ds, rows * hidden * xs if xs != acc else 0)
     moments = [cast + logits * ds, logits * (ds + acc) if ds != acc else 0, 2 * logits * acc]
-    base = rows * hidden * ds + 45 * rows
+    base = rows * hidden * ds + 36 * rows
     if not backward:
         return base + max(moments)
     base += rows * hidden * acc
@@ -260,18 +386,19 @@ def scratch_bytes(rows: int, vocab: int, hidden: int, block: int, x_dtype: torch
     return base + max(max(moments), rows * hidden * xs if xs != acc else 0)
 
 
-def _scratch_of_call(args: tuple, backward: bool) -> int:
+def _scratch_of_call(args: tuple, backward: bool, kernel: bool) -> int:
     """``scratch_bytes`` of one call of the forward or backward op, from its arguments (every row
-    counted as kept: a trace on fake tensors cannot read the targets)."""
+    counted as kept: a trace on fake tensors cannot read the targets); ``kernel``: the Triton path's."""
     x, weight = args[1:3] if backward else args[0:2]
-    softcap, dtype, block = args[-3:]
+    softcap, dtype, block = args[-4:-1]
     return scratch_bytes(x.shape[0], weight.shape[0], x.shape[1], block, x.dtype, weight.dtype, dtype, softcap > 0,
-                         backward)
+                         backward, kernel)
 
 
-# The op packet -> the bytes it holds inside beyond its outputs (tempo.plan.trace adds them at the op).
-SCRATCH = {"tempo.linear_cross_entropy_fwd": lambda args: _scratch_of_call(args, False),
-           "tempo.linear_cross_entropy_bwd": lambda args: _scratch_of_call(args, True)}
+# The op packet -> the bytes it holds inside beyond its outputs, on the Triton path (``kernel``) or
+# the reference one (tempo.plan.trace adds them at the op: the kernel's for a CUDA plan).
+SCRATCH = {"tempo.linear_cross_entropy_fwd": lambda args, kernel: _scratch_of_call(args, False, kernel),
+           "tempo.linear_cross_entropy_bwd": lambda args, kernel: _scratch_of_call(args, True, kernel)}
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
@@ -309,7 +436,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     dtype = autocast_dtype_for(rows) or rows.dtype
     loss, _lse, _count = _fwd_op(rows.contiguous(), weight, bias, target.reshape(-1).long(), int(ignore_index),
                                  float(label_smoothing), float(z_loss), bool(rows_checked), float(softcap or 0.0),
-                                 dtype, int(block or vocab_block(weight.shape[0], h)))
+                                 dtype, int(block or vocab_block(weight.shape[0], h)), resolve_backend(rows, OP))
     if reduction == "none":
         return loss.view(target.shape)
     total = loss.sum()

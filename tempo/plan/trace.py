@@ -89,9 +89,10 @@ class StepTrace:
 class MemoryTimeline(Recorder):
     """Recorder (ops, FLOPs, bytes moved) that also follows every storage's life (module docstring)."""
 
-    def __init__(self, round_to: int = 1) -> None:
+    def __init__(self, round_to: int = 1, kernels: bool = False) -> None:
         super().__init__()
         self.round_to = round_to
+        self.kernels = kernels  # an op's inside as its Triton path holds it (a CUDA step), else its reference path
         self.allocations: list[Allocation] = []
         self.segments: dict[Segment, SegmentRecord] = {}
         self.segment: Segment = ("fwd", 0)
@@ -187,7 +188,7 @@ class MemoryTimeline(Recorder):
         self._track(out, {id(s) for s in inputs})
         scratch = SCRATCH.get(str(func.overloadpacket))
         if scratch is not None:  # what the op holds inside (this mode sees the op, not the ops in it)
-            self._momentary(self._rounded(scratch(args)))
+            self._momentary(self._rounded(scratch(args, self.kernels)))
         return out
 
     def _momentary(self, nbytes: int) -> None:
@@ -283,7 +284,7 @@ def trace_step(model: nn.Module, blocks: list[nn.Module], batch: dict[str, Any],
     as ``out = model(**batch); out.loss.backward()`` holds it (its logits among them)."""
     if semantics not in ("cuda", "cpu"):
         raise ValueError(f"trace_step: semantics must be 'cuda' or 'cpu', got {semantics!r}")
-    timeline = MemoryTimeline(round_to)
+    timeline = MemoryTimeline(round_to, kernels=semantics == "cuda")
     k = len(blocks)
     semantic_mode = CudaSemantics() if semantics == "cuda" else contextlib.nullcontext()
     with mode, semantic_mode, timeline, segment_hooks(timeline, blocks):
