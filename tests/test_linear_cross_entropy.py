@@ -125,7 +125,8 @@ def test_the_real_minilm_embedding_as_a_tied_head_in_fp32():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_under_autocast_the_gemm_runs_in_the_autocast_dtype_as_stocks_linear(dtype):
     """One block (the whole vocabulary): the logits are the stock head's 16-bit ones, so the loss per
-    row equals stock's to fp32 rounding, and differs from the fp32 head's by the 16-bit rounding."""
+    row equals stock's to fp32 rounding, and differs from the fp32 head's by the 16-bit rounding; the
+    gradients too (backward, outside the autocast region, recomputes the logits in 16 bits)."""
     x, w, b, t = case(n=64, h=32, v=300, dtype=torch.float32)
     fp32 = reference(x, w, t, b, reduction="none")
     with torch.autocast("cpu", dtype=dtype):
@@ -133,6 +134,8 @@ def test_under_autocast_the_gemm_runs_in_the_autocast_dtype_as_stocks_linear(dty
         ours = linear_cross_entropy(x, w, t, b, reduction="none")
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-6)
     assert (ours - fp32).abs().max() > 100 * (ours - stock).abs().max()
+    for mine, theirs, exact in zip(grads(ours.sum(), x, w, b), grads(stock.sum(), x, w, b), grads(fp32.sum(), x, w, b)):
+        assert (mine - theirs).abs().max() < 0.1 * (theirs - exact).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
