@@ -126,8 +126,9 @@ def test_the_real_minilm_embedding_as_a_tied_head_in_fp32():
 def test_under_autocast_the_gemm_runs_in_the_autocast_dtype_as_stocks_linear(dtype):
     """One block (the whole vocabulary): the logits are the stock head's 16-bit ones, so the loss per
     row equals stock's to fp32 rounding, and differs from the fp32 head's by the 16-bit rounding; the
-    gradients too (backward, outside the autocast region, recomputes the logits in 16 bits)."""
-    x, w, b, t = case(n=64, h=32, v=300, dtype=torch.float32)
+    gradients too (backward, outside the autocast region, recomputes the logits in 16 bits; no bias,
+    whose 16-bit gradient stock sums in 16 bits)."""
+    x, w, b, t = case(n=64, h=32, v=300, dtype=torch.float32, bias=False)
     fp32 = reference(x, w, t, b, reduction="none")
     with torch.autocast("cpu", dtype=dtype):
         stock = reference(x, w, t, b, reduction="none")
