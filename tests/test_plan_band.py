@@ -27,8 +27,6 @@ from tempo.plan import band  # noqa: E402
 BELOW = {
     ("llama-3.2-1b", "causal-lm", "bf16", "mixed"):
         "0.984: a packed bf16 row allocates more than the probe's unpacked [batch, s] trace counts",
-    ("deberta-v3-large", "classification", "bf16", "one"):
-        "0.964: the plan of one length counts the step without the all-ones attention_mask a collator passes",
 }
 
 

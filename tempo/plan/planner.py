@@ -10,8 +10,8 @@ How (everything on fake tensors: no GPU, no real memory):
      whose recompute modes hold every ordered pair of modes once (tempo.plan.probe, probe_layout),
      runs one training step at two token counts under a memory timeline (tempo.plan.trace), on the
      device's semantics (a GPU's autocast, dropout and fused attention, or the CPU's reference paths),
-     with the attention mask of a padded batch for a padded model of several lengths
-     (tempo.plan.probe.example_batch);
+     with the attention mask a collator passes to a padded model (ones; each row's last token padding
+     when the lengths vary: tempo.plan.probe.example_batch);
   2. the step of the whole model, with any recompute per block, is composed from those parts
      (tempo.plan.compose): the activation peak is a maximum of affine functions of the tokens t;
   3. weights, gradients (in the composition), optimizer states and the optimizer step's
@@ -440,8 +440,9 @@ def count(model: nn.Module, lengths: Union[int, Sequence[int]] = 512, device: st
         say(f"tracing a step of {len(layout)} blocks at {batch * seq_len} tokens (fake tensors)")
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         probe, blocks, _depth = fake_probe(model, layout, mode, prepare)
-        padded = not unpadding and np.unique(sample).size > 1 and takes_attention_mask(probe)  # its masks
-        traces.append(trace_step(probe, blocks, example_batch(probe, batch, seq_len, padded), mode,
+        padded = not unpadding and takes_attention_mask(probe)  # the collator's mask, and what it builds from it
+        batch_inputs = example_batch(probe, batch, seq_len, padded, ragged=np.unique(sample).size > 1)
+        traces.append(trace_step(probe, blocks, batch_inputs, mode,
                                  semantics=target.semantics, autocast_dtype=autocast, loss_fn=loss,
                                  round_to=target.round_to))
     kernel_target = None

@@ -12,8 +12,9 @@ model (tempo.plan.compose).
 ``example_batch`` makes the inputs a step feeds such a model: token ids (no padding: the plan counts
 real tokens; padded models are counted at their padded length), and the labels its head's loss takes
 (masked-LM / pretraining / token classification / causal LM: per token; sequence classification and
-question answering: per sequence; BERT pretraining's next-sentence label). A padded model of
-several lengths gets the ``attention_mask`` of a padded batch (``padded``): it builds masks from it.
+question answering: per sequence; BERT pretraining's next-sentence label). A padded model gets the
+``attention_mask`` a collator passes (``padded``: ones, and each row's last token padding when the
+lengths vary, ``ragged``): it builds masks from it.
 """
 
 from __future__ import annotations
@@ -113,11 +114,12 @@ def takes_attention_mask(model: nn.Module) -> bool:
     return _accepts(model, "attention_mask")
 
 
-def example_batch(model: nn.Module, batch: int, seq_len: int, padded: bool = False) -> dict[str, torch.Tensor]:
+def example_batch(model: nn.Module, batch: int, seq_len: int, padded: bool = False,
+                  ragged: bool = True) -> dict[str, torch.Tensor]:
     """Inputs of one step of ``model`` (module docstring); real tensors (small: ids and labels).
-    ``padded``: with the ``attention_mask`` of a padded batch of sequences of several lengths (each
-    row's last token padding): a model builds its masks from it ([batch, 1, s, s] where a mask of
-    ones builds none, or one for every row)."""
+    ``padded``: with the ``attention_mask`` a collator passes to a padded batch: ones, each row's last
+    token padding when ``ragged`` (sequences of several lengths). A model builds its masks from it
+    (DeBERTa a [batch, 1, s, s] one from any mask; others none from a mask of ones)."""
     name = type(model).__name__
     if padded and (seq_len < 2 or not takes_attention_mask(model)):
         raise ValueError(f"example_batch: a padded batch needs seq_len >= 2 and a model that takes an "
@@ -147,7 +149,8 @@ def example_batch(model: nn.Module, batch: int, seq_len: int, padded: bool = Fal
         inputs["attention_mask"] = torch.ones_like(ids)  # tempo.bert unpads only with a mask: every token real
     if padded:
         inputs["attention_mask"] = torch.ones_like(ids)
-        inputs["attention_mask"][:, -1] = 0
+        if ragged:
+            inputs["attention_mask"][:, -1] = 0
     return inputs
 
 
