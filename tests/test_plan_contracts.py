@@ -91,3 +91,29 @@ def test_the_measured_rate_counts_every_timed_step(monkeypatch):
     measure = confirm.DefaultMeasure(batch, steps=3, device="cpu")
     result = measure(lambda: transformers.BertForMaskedLM(config), 32)
     assert result.real_tokens == 32 and result.tokens_per_second == pytest.approx(3 * 32 / 2.0)
+
+
+# -- round 6's contracts (tests/test_mutation_round5.py has round 5's) ------------------------------
+@pytest.mark.parametrize("length, labelled", [(3, 1), (10, 2), (20, 3), (128, 19), (512, 77)])
+def test_a_masked_lm_batch_labels_fifteen_percent_of_each_row_rounded_to_nearest(length, labelled):
+    """masked_lm_labels: round(0.15 * length) positions per row (at least one), spread from the first
+    to the last, labelled with their token; -100 elsewhere."""
+    from tempo.plan.probe import masked_lm_labels
+
+    ids = torch.arange(2 * length).reshape(2, length) + 5
+    labels = masked_lm_labels(ids)
+    kept = labels != -100
+    assert kept.sum(dim=1).tolist() == [labelled, labelled]
+    assert torch.equal(labels[kept], ids[kept]) and bool(kept[:, 0].all())
+    assert bool(kept[:, -1].all()) == (labelled > 1)
+
+
+def test_a_budget_of_exactly_a_flat_lines_start_holds_it_and_one_byte_less_does_not():
+    """largest_tokens: a line a + b·t with b = 0 (the optimizer step's peak, flat in the tokens) fits a
+    budget of exactly int(a) bytes; the growing line then decides."""
+    from tempo.plan.planner import largest_tokens
+
+    flat, growing = (1000.25, 0.0), (100.0, 3.0)
+    assert largest_tokens([flat, growing], 1000) == 300
+    assert largest_tokens([flat, growing], 999) == 0
+    assert largest_tokens([(1000.0, 0.0), growing], 1000) == 300
