@@ -51,5 +51,8 @@ def test_a_cuda_step_counts_the_kernels_scratch_and_a_cpu_step_the_reference_pat
             linear_cross_entropy(x, w, t, rows_checked=True)
         peaks[kernels] = max(s.peak for s in timeline.segments.values())
     shape = (rows, vocab, hidden, vocab_block(vocab, hidden), torch.float32, torch.float32, torch.float32, False, False)
-    assert peaks[False] - peaks[True] == scratch_bytes(*shape) - scratch_bytes(*shape, kernel=True) > 0
+    # what is live at the op (its outputs: loss and log-sum-exp per row, the count) plus the op's inside
+    live = peaks[False] - scratch_bytes(*shape)
+    assert live == peaks[True] - scratch_bytes(*shape, kernel=True) == 2 * 4 * rows + 8
+    assert scratch_bytes(*shape) > scratch_bytes(*shape, kernel=True)
     assert scratch_bytes(*shape, kernel=True) == rows * hidden * 4 + 96 * rows + rows * vocab_block(vocab, hidden) * 4
