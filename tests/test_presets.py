@@ -118,3 +118,14 @@ def test_transformers_bert_takes_every_field_of_our_config():
 def test_bert_pretraining_masks_fifteen_percent_in_multiples_of_four():
     assert presets.default_max_predictions(128) == 20 and presets.default_max_predictions(512) == 80
     assert presets.default_max_predictions(2) == 2  # never more positions than tokens (4 rounded up)
+
+
+def test_the_plan_command_plans_a_local_model_folder_with_its_task(tmp_path, capsys):
+    """``python -m tempo.plan --model FOLDER --task T``: the user's config with the head T, planned."""
+    from tempo.plan.cli import main
+
+    presets.family_config("minilm", layers=2).save_pretrained(tmp_path)
+    assert main(["--model", str(tmp_path), "--task", "encoder", "--seq-len", "64", "--budget", "2GiB",
+                 "--device", "cpu", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens per step" in out and "BertModel" in out
