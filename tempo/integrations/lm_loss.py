@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tempo.integrations.recipe import _STANDS_FOR, Switched, as_original_class
+from tempo.integrations.recipe import Switched, as_original_class, stands_for
 from tempo.ops.linear_cross_entropy import labelled_rows, linear_cross_entropy
 
 logger = logging.getLogger("tempo.integrations.patch")
@@ -148,7 +148,7 @@ class FusedLossLM(nn.Module):
         own = super(FusedLossLM, self).forward
         if not (self.training and torch.is_grad_enabled() and kwargs.get("labels") is not None):
             return own(*args, **kwargs)
-        spec = _SPECS[type(self).__dict__[_STANDS_FOR]]
+        spec = _SPECS[stands_for(type(self))]
         if len(args) > len(spec.names):
             raise TypeError(f"{type(self).__name__}.forward takes {len(spec.names)} positional arguments, "
                             f"got {len(args)}")

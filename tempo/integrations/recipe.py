@@ -163,6 +163,12 @@ def as_original_class(tempo_cls: type, original_cls: type) -> type:
     return _AS_ORIGINAL[key]
 
 
+def stands_for(cls: type) -> type:
+    """The original class a replacement class stands for (``as_original_class``), also through a
+    subclass made of one (FSDP2's ``fully_shard`` gives each module its own ``FSDP<name>`` subclass)."""
+    return next(c.__dict__[_STANDS_FOR] for c in cls.__mro__ if _STANDS_FOR in c.__dict__)
+
+
 def tempo_class(module: nn.Module) -> type:
     """The Tempo class of a replacement (``as_original_class``'s first base), else its own class."""
     cls = type(module)
