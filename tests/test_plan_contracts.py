@@ -117,3 +117,32 @@ def test_a_budget_of_exactly_a_flat_lines_start_holds_it_and_one_byte_less_does_
     assert largest_tokens([flat, growing], 1000) == 300
     assert largest_tokens([flat, growing], 999) == 0
     assert largest_tokens([(1000.0, 0.0), growing], 1000) == 300
+
+
+def test_confirms_cpu_peak_counts_the_optimizer_states_present_before_the_step():
+    """_tracked_peak: the states an optimizer holds are part of the step's memory. An optimizer that
+    only holds a state of n bytes per parameter (no temporaries): the peak moves by exactly n."""
+    from torch import nn
+
+    class Holding(torch.optim.Optimizer):
+        def __init__(self, params, nbytes):
+            super().__init__(params, {"lr": 0.0})  # TrainStep reads the learning rate
+            self.nbytes = nbytes
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if "held" not in self.state[p]:  # made once, in the warm-up step
+                        self.state[p]["held"] = torch.zeros(self.nbytes // 4)
+
+    def peak(nbytes: int) -> int:
+        torch.manual_seed(0)
+        model = nn.Linear(64, 64, bias=False).train()
+        optimizer = Holding(model.parameters(), nbytes)
+        step = confirm.TrainStep(model, optimizer, lambda m, b: m(*b).square().mean(), "fp32", torch.device("cpu"),
+                                 max_grad_norm=None, measure_activations=False)
+        batch = (torch.randn(8, 64),)
+        step([batch])  # the warm-up step makes the state
+        return confirm._tracked_peak(model, optimizer, step, batch)
+
+    assert peak(4 << 20) - peak(4) == (4 << 20) - 4
