@@ -76,6 +76,18 @@ def test_sdpa_is_counted_as_the_flash_kernel():
     ]
 
 
+def test_grouped_query_flash_attention_does_the_flops_of_its_query_heads():
+    """sdpa with enable_gqa (2 kv heads for 8 query heads) runs flash with each kv head serving its
+    group: the FLOPs of the expanded attention, 4·b·h·s²·d forward and 10·b·h·s²·d backward."""
+    b, h, kv, s, d = 2, 8, 2, 128, 64
+    session = FakeSession()
+    q = session.fake_tensor((b, h, s, d), torch.bfloat16, requires_grad=True)
+    k, v = (session.fake_tensor((b, kv, s, d), torch.bfloat16, requires_grad=True) for _ in range(2))
+    trace = session.trace(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), autocast_dtype=None)
+    flops = {kern.name: kern.flops for _, kern in _kernels(trace) if kern.flops}
+    assert flops == {"flash_fwd": 4 * b * h * s * s * d, "flash_bwd_dq_dk_dv": 10 * b * h * s * s * d}
+
+
 def test_cuda_semantics_softmax_fp32_and_fused_dropout():
     session = FakeSession()
     x = session.fake_tensor((4, 8), torch.float32, requires_grad=True)
