@@ -86,6 +86,8 @@ def test_grouped_query_flash_attention_does_the_flops_of_its_query_heads():
     trace = session.trace(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), autocast_dtype=None)
     flops = {kern.name: kern.flops for _, kern in _kernels(trace) if kern.flops}
     assert flops == {"flash_fwd": 4 * b * h * s * s * d, "flash_bwd_dq_dk_dv": 10 * b * h * s * s * d}
+    # the recorder's own count (torch's formula, which refuses grouped shapes, on the widened kv heads)
+    assert [c.flops for c in trace.calls] == [4 * b * h * s * s * d, 10 * b * h * s * s * d]
 
 
 def test_cuda_semantics_softmax_fp32_and_fused_dropout():
