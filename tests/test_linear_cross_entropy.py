@@ -312,6 +312,20 @@ def test_revert_pickle_and_deepcopy_of_a_switched_lm():
     assert type(tempo) is type(stock)
 
 
+def test_a_subclass_of_a_switched_lm_still_runs_the_fused_head():
+    """FSDP2's fully_shard gives each module its own subclass of its class (FSDP<name>): the switched
+    forward finds the original class it stands for through it (tests/test_fsdp2.py runs fully_shard)."""
+    from tempo.integrations.recipe import stands_for
+
+    stock, tempo = pair("llama")
+    tempo.__class__ = type("FSDP" + type(tempo).__name__, (type(tempo),), {})
+    assert stands_for(type(tempo)) is type(stock)
+    ids = torch.randint(0, 97, (2, 9))
+    (o0, _), (o1, _) = step(stock, input_ids=ids, labels=ids), step(tempo, input_ids=ids, labels=ids)
+    assert o1.logits is None
+    torch.testing.assert_close(o1.loss, o0.loss, rtol=1e-5, atol=0)
+
+
 def test_lm_loss_false_leaves_the_head_and_loss_alone():
     model = apply_tempo(MODELS["llama"](), lm_loss=False).train()
     assert not isinstance(model, FusedLossLM)
