@@ -478,6 +478,31 @@ def check_gated_mlp(ctx: Context, dtype: torch.dtype) -> tuple[list[Comparison],
         first, second
 
 
+def check_fused_lm_head(ctx: Context, dtype: torch.dtype) -> tuple[list[Comparison], float, float]:
+    """The fused LM head and loss (its two Triton kernels between cuBLAS GEMMs) against the
+    materialised head in fp64: an odd vocabulary (a partial last block), one target in seven
+    ignored, label smoothing 0.1, z-loss 1e-4, Gemma's softcap 30; per-row loss, dx, dweight."""
+    from tempo.ops.linear_cross_entropy import linear_cross_entropy
+
+    s = ctx.sizes
+    rows, vocab = s.batch * s.seq, s.vocab + 123
+    x = _randn(ctx, rows, s.hidden).to(dtype)
+    weight = (_randn(ctx, vocab, s.hidden) / math.sqrt(s.hidden)).to(dtype)
+    target = torch.randint(0, vocab, (rows,), device=ctx.device)
+    target[::7] = -100
+    g = _randn(ctx, rows).abs().to(torch.float32)
+    modes = {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0}
+    got, first, second = twice(ctx.device, lambda xl, wl: linear_cross_entropy(xl, wl, target, reduction="none",
+                                                                                **modes), (x, weight), g)
+    x64, w64 = (t.double().requires_grad_() for t in (x, weight))
+    z = 30.0 * torch.tanh(F.linear(x64, w64) / 30.0)
+    kept = target != -100
+    ref = F.cross_entropy(z, target, label_smoothing=0.1, reduction="none")
+    ref = ref + 1e-4 * torch.logsumexp(z, -1).square() * kept
+    ref.backward(g.double())
+    return compare_all(("loss", "dx", "dweight"), got, (ref, x64.grad, w64.grad), TOL[dtype]), first, second
+
+
 # -- attention ---------------------------------------------------------------------------------
 def _rng_state(device: torch.device) -> tuple:
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
@@ -740,6 +765,8 @@ LAYER_CHECKS: dict[str, tuple[str, Callable[..., tuple[list[Comparison], float, 
     "combined": ("Combined softmax → dropout → matmul (p = 0.1, its mask from the seed)", check_combined),
     "geglu-linear": ("GeGLU fused with its down projection (tanh GELU, dropout 0.1, its mask from the seed)",
                      check_gated_mlp),
+    "fused-lm-head": ("LM head + cross-entropy without logits (odd vocabulary, ignored rows, smoothing, z-loss, "
+                      "softcap): loss per row, dx, dweight", check_fused_lm_head),
 }
 ATTENTION_CHECKS: dict[str, tuple[str, Callable[..., tuple[list[Comparison], float, float]]]] = {
     "attention-padded": ("efficient attention, bool key padding, no dropout",
