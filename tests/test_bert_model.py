@@ -495,3 +495,23 @@ def test_tanh_and_exact_models_differ_only_in_the_gelu(options):
         c = exact(ids, types, mask).prediction_scores
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert (a - c).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name, fused", [("floor", True), ("default", True), ("paper", False)])
+def test_the_floor_and_the_default_pretrain_through_the_fused_head_the_papers_layers_do_not(name, fused,
+                                                                                            monkeypatch):
+    """TempoChoice.floor(): every Tempo layer and the fused LM head and loss (its docstring); the
+    default is the floor; the paper's three layers (full()) keep the stock head. Seen in a training
+    forward with masked-LM labels: the fused op runs or it does not."""
+    import tempo.bert.model as bert_model
+
+    choice = {"floor": TempoChoice.floor(), "default": TempoChoice.default(), "paper": TempoChoice.full()}[name]
+    calls = []
+    real = bert_model.linear_cross_entropy
+    monkeypatch.setattr(bert_model, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    model = BertForPreTraining(cfg, choice).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    out = model(ids, masked_lm_labels=ids)
+    assert choice.lm_loss is fused and bool(calls) is fused and torch.isfinite(out.loss)

@@ -326,6 +326,13 @@ def test_a_subclass_of_a_switched_lm_still_runs_the_fused_head():
     torch.testing.assert_close(o1.loss, o0.loss, rtol=1e-5, atol=0)
 
 
+def test_a_patched_lm_asked_for_another_lm_loss_choice_is_refused_and_the_same_is_idempotent():
+    model = apply_tempo(MODELS["llama"]())
+    with pytest.raises(ValueError, match=r"already patched with .*lm_loss=True.*revert_tempo.*lm_loss=False"):
+        apply_tempo(model, lm_loss=False)
+    assert apply_tempo(model) is model and isinstance(model, FusedLossLM)
+
+
 def test_lm_loss_false_leaves_the_head_and_loss_alone():
     model = apply_tempo(MODELS["llama"](), lm_loss=False).train()
     assert not isinstance(model, FusedLossLM)
