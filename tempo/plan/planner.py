@@ -441,7 +441,8 @@ def count(model: nn.Module, lengths: Union[int, Sequence[int]] = 512, device: st
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         probe, blocks, _depth = fake_probe(model, layout, mode, prepare)
         padded = not unpadding and takes_attention_mask(probe)  # the collator's mask, and what it builds from it
-        batch_inputs = example_batch(probe, batch, seq_len, padded, ragged=np.unique(sample).size > 1)
+        batch_inputs = example_batch(probe, batch, seq_len, padded, ragged=np.unique(sample).size > 1,
+                                     packed=unpadding)
         traces.append(trace_step(probe, blocks, batch_inputs, mode,
                                  semantics=target.semantics, autocast_dtype=autocast, loss_fn=loss,
                                  round_to=target.round_to))

@@ -115,11 +115,14 @@ def takes_attention_mask(model: nn.Module) -> bool:
 
 
 def example_batch(model: nn.Module, batch: int, seq_len: int, padded: bool = False,
-                  ragged: bool = True) -> dict[str, torch.Tensor]:
+                  ragged: bool = True, packed: bool = False) -> dict[str, torch.Tensor]:
     """Inputs of one step of ``model`` (module docstring); real tensors (small: ids and labels).
     ``padded``: with the ``attention_mask`` a collator passes to a padded batch: ones, each row's last
     token padding when ``ragged`` (sequences of several lengths). A model builds its masks from it
-    (DeBERTa a [batch, 1, s, s] one from any mask; others none from a mask of ones)."""
+    (DeBERTa a [batch, 1, s, s] one from any mask; others none from a mask of ones). ``packed``: with
+    ``position_ids`` per row, as a padding-free step passes them: what a model builds from positions
+    (rotary cos/sin, position embeddings) is then per token, as in the packed row, not one row
+    broadcast over the batch."""
     name = type(model).__name__
     if padded and (seq_len < 2 or not takes_attention_mask(model)):
         raise ValueError(f"example_batch: a padded batch needs seq_len >= 2 and a model that takes an "
@@ -147,6 +150,8 @@ def example_batch(model: nn.Module, batch: int, seq_len: int, padded: bool = Fal
         inputs.pop("labels", None)
     if any(getattr(m, "unpad", False) is True for m in model.modules()):
         inputs["attention_mask"] = torch.ones_like(ids)  # tempo.bert unpads only with a mask: every token real
+    if packed and _accepts(model, "position_ids"):
+        inputs["position_ids"] = torch.arange(seq_len).repeat(batch, 1)
     if padded:
         inputs["attention_mask"] = torch.ones_like(ids)
         if ragged:
