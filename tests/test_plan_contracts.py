@@ -146,3 +146,60 @@ def test_confirms_cpu_peak_counts_the_optimizer_states_present_before_the_step()
         return confirm._tracked_peak(model, optimizer, step, batch)
 
     assert peak(4 << 20) - peak(4) == (4 << 20) - 4
+
+
+def test_the_kernel_paths_scratch_counts_the_weight_blocks_cast():
+    """scratch_bytes(kernel=True), by construction: the rows in the GEMM's dtype, 96 bytes of vectors
+    per row, the weight block's cast when the weight's dtype is not the GEMM's, the block's logits."""
+    from tempo.ops.linear_cross_entropy import scratch_bytes
+
+    rows, vocab, hidden, block = 100, 5000, 64, 256
+    for weight_dtype, cast in ((torch.float32, block * hidden * 2), (torch.bfloat16, 0)):
+        assert scratch_bytes(rows, vocab, hidden, block, torch.float32, weight_dtype, torch.bfloat16, False, False,
+                             kernel=True) == rows * hidden * 2 + 96 * rows + cast + rows * block * 2
+
+
+@pytest.mark.parametrize("device, kernels", [("h100", True), ("cpu", False)])
+def test_a_plan_counts_the_fused_ops_inside_on_the_path_its_device_runs(device, kernels, monkeypatch):
+    """trace_step: a CUDA plan adds the Triton path's scratch at the fused head's ops, a CPU plan the
+    reference path's (the flag the timeline passes to SCRATCH)."""
+    import tempo.plan as tp
+    from tempo.plan import band
+    from tempo.plan import trace as trace_module
+
+    seen = []
+    spied = {packet: (lambda f: lambda args, kernel: seen.append(kernel) or f(args, kernel))(fn)
+             for packet, fn in trace_module.SCRATCH.items()}
+    monkeypatch.setattr(trace_module, "SCRATCH", spied)
+    tp.count(band.small_model("llama-3.2-1b", "causal-lm"), 64, device=device, precision="bf16", modes=("none",))
+    assert seen and set(seen) == {kernels}
+
+
+@pytest.mark.parametrize("family, head, lengths, expected", [
+    ("deberta-v3-large", "classification", [64] * 4, {"padded": True, "ragged": False, "packed": False}),
+    ("deberta-v3-large", "classification", [64, 30, 17], {"padded": True, "ragged": True, "packed": False}),
+    ("bert-large", "mlm", [64, 30, 17], {"padded": False, "packed": True}),
+])
+def test_the_probe_batch_is_the_collators(family, head, lengths, expected, monkeypatch):
+    """The planner traces what a collator gives the model: a padded model the mask of a padded batch
+    (ragged only when the lengths vary), a padding-free one position_ids per row and no mask."""
+    import tempo.plan as tp
+    from tempo.plan import band
+    from tempo.plan import planner
+
+    calls = []
+    real = planner.example_batch
+    monkeypatch.setattr(planner, "example_batch", lambda *a, **k: calls.append(k | {"padded": a[3]}) or real(*a, **k))
+    tp.count(band.small_model(family, head), lengths, device="cpu", precision="fp32", modes=("none",))
+    assert calls and all(expected.items() <= call.items() for call in calls), calls
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_example_batch_masks_a_padded_batch_as_a_collator_does(ragged):
+    from tempo.plan import band
+    from tempo.plan.probe import example_batch
+
+    model = band.small_model("deberta-v3-large", "classification")
+    batch = example_batch(model, 3, 16, padded=True, ragged=ragged)
+    assert int(batch["attention_mask"].sum()) == 3 * 16 - (3 if ragged else 0)
+    assert bool((batch["attention_mask"][:, -1] == 0).all()) == ragged
