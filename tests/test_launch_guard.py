@@ -152,9 +152,18 @@ def _seeded_dropout(device):
     seeded_dropout_keep_mask(torch.tensor(1, device=device), (2, 8), 0.1, device, backend="triton")
 
 
+def _linear_cross_entropy(device):
+    from tempo.ops.linear_cross_entropy import linear_cross_entropy
+
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    w = torch.randn(40, 16, device=device, requires_grad=True)
+    _backward(linear_cross_entropy(x, w, torch.tensor([0, 5, -100, 39], device=device), label_smoothing=0.1), x, w)
+
+
 WORKLOADS = {"layernorm": _layernorm, "gelu": _gelu, "combined": _combined,
              "dropout_add_layernorm": _dropout_add_layernorm, "disentangled_attention": _disentangled_attention,
-             "rmsnorm": _rmsnorm, "gated_mlp": _gated_mlp, "seeded_dropout": _seeded_dropout}
+             "rmsnorm": _rmsnorm, "gated_mlp": _gated_mlp, "seeded_dropout": _seeded_dropout,
+             "linear_cross_entropy": _linear_cross_entropy}
 
 
 @pytest.mark.parametrize("device", GUARD_DEVICES)
