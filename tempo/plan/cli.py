@@ -2,6 +2,7 @@
 
     python -m tempo.plan --model bert-large --seq-len 512 --budget 24GiB
     python -m tempo.plan --model deberta-v3-large --lengths lengths.txt --budget 40GiB --device a100
+    python -m tempo.plan --model llama-3.2-1b --task causal-lm --gpus 8 --parallel fsdp2   # per rank
     python -m tempo.plan --frontier            # Tempo's plans beside torch's own policies (tempo.plan.frontier)
 
 Models are transformers' at their published sizes, built on the meta device from their configs
@@ -59,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="h100", help=f"cuda (the current GPU) or one of {', '.join(DEVICES)}")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
+    parser.add_argument("--gpus", type=positive_int, default=1,
+                        help="processes (GPUs) the step runs on, planned per rank (needs --parallel when > 1)")
+    parser.add_argument("--parallel", choices=["ddp", "fsdp2"],
+                        help="the engine over --gpus: ddp (replicas and gradient buckets) or fsdp2 (fully_shard per "
+                             "block and the root)")
     parser.add_argument("--no-tempo", action="store_true", help="plan the model as it is (no apply_tempo)")
     parser.add_argument("--candidates", action="store_true", help="also print every recompute plan tried (with --frontier: every policy of every row)")
     parser.add_argument("--json", metavar="PATH", help="write the plan as JSON")
@@ -81,11 +87,13 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "optimizer": plan.optimizer, "tempo": plan.tempo, "left_stock": plan.left_stock, "recompute": plan.recompute,
         "unpadding": plan.unpadding, "seq_len": plan.seq_len, "tokens_per_step": plan.tokens_per_step,
         "buckets": [{"padded_length": p, "share": s, "sequences_per_step": n} for p, s, n in plan.buckets],
+        "world_size": plan.world_size, "parallel": plan.parallel,
+        "tokens_per_global_step": plan.tokens_per_global_step,
         "peak_bytes": plan.peak_bytes,
         "peak": {"weights": peak.weights, "gradients": peak.gradients, "optimizer_states": peak.optimizer_states,
                  "activations": peak.activations, "transient": peak.transient, "workspace": peak.workspace,
-                 "at": peak.at},
-        "projected_step_seconds": plan.step_seconds, "projected_tokens_per_second": plan.tokens_per_second,
+                 "buffers": peak.buffers, "at": peak.at},
+        "projected_step_seconds": plan.step_seconds, "projected_collective_seconds": plan.collective_seconds, "projected_tokens_per_second": plan.tokens_per_second,
         "planning_seconds": plan.seconds,
         "candidates": [{"recompute": c.summary(), "tokens": c.tokens,
                         "peak_bytes": c.peak.total if c.peak else None,
@@ -95,6 +103,8 @@ def plan_record(plan: Any) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.gpus > 1 and args.parallel is None:
+        raise SystemExit(f"python -m tempo.plan: --gpus {args.gpus} needs --parallel ddp or --parallel fsdp2")
     if args.frontier:
         from tempo.plan.frontier import main as frontier_main
 
@@ -120,7 +130,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"python -m tempo.plan: --model {args.model}: {err}") from None
     try:
         result = plan(model, budget=args.budget, lengths=lengths, device=args.device, precision=args.precision,
-                      optimizer=args.optimizer, tempo=not args.no_tempo, progress=say)
+                      optimizer=args.optimizer, tempo=not args.no_tempo, progress=say, world_size=args.gpus,
+                      parallel=args.parallel)
     except PlanError as err:
         print(f"python -m tempo.plan: {err}", file=sys.stderr)
         return 2

@@ -81,11 +81,12 @@ class PeakParts:
     workspace: int  # cuBLAS/cuBLASLt workspaces (a GPU) and COMPOSITION_MARGIN of what the composition counts
     at: str  # where in the step the peak is
     cublas_workspace: int = 0  # of ``workspace``, the part that is cuBLAS's
+    buffers: int = 0  # a parallel engine's: DDP's gradient buckets, FSDP2's unsharded parameters (tempo.plan.parallel)
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.optimizer_states + self.activations + self.transient
-                + self.workspace)
+                + self.workspace + self.buffers)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,31 @@ class Plan:
     candidates: list = field(default_factory=list)
     seconds: float = 0.0  # how long planning took
     tempo_options: Optional[dict] = field(default_factory=dict)
+    world_size: int = 1  # processes (GPUs), each planned as one rank
+    parallel: Optional[str] = None  # "ddp" / "fsdp2" (tempo.plan.parallel), None: one process
+    collective_seconds: Optional[float] = 0.0  # of ``step_seconds``: the collectives, not overlapped
+
+    @property
+    def tokens_per_global_step(self) -> int:
+        """Tokens of a step over every rank (each rank takes ``tokens_per_step``)."""
+        return self.tokens_per_step * self.world_size
+
+    @property
+    def step_seconds_overlapped(self) -> Optional[float]:
+        """The projected step with the collectives hidden behind compute (``step_seconds``: not hidden)."""
+        if self.step_seconds is None or self.collective_seconds is None:
+            return None
+        compute = self.step_seconds - self.collective_seconds
+        return max(compute, self.collective_seconds)
+
+    def wrap(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        """``model`` (after ``apply``) wrapped by the parallel engine as this plan counted it
+        (tempo.plan.parallel.wrap); the model itself when the plan is for one process."""
+        if self.parallel is None:
+            return model
+        from tempo.plan.parallel import wrap
+
+        return wrap(model, self.parallel, **kwargs)
 
     @property
     def peak_bytes(self) -> int:
@@ -256,10 +282,15 @@ def _left_stock(model: nn.Module) -> list[str]:
 
 
 def _peak_lines(composition: Composition, fixed: int, optimizer_temporary: int,
-                workspace: int) -> list[tuple[float, float]]:
+                workspace: int, sharding: Any = None) -> list[tuple[float, float]]:
+    """The peak's lines a + b·t; ``sharding`` (tempo.plan.parallel): each segment's moved by what a
+    rank holds there beside the one-process step (a constant: the engine's buffers do not grow)."""
     grow = 1.0 + COMPOSITION_MARGIN
-    lines = [(fixed + workspace + grow * p.a, grow * p.b) for p in composition.peak]
-    lines.append((fixed + workspace + grow * (composition.end.a + optimizer_temporary), grow * composition.end.b))
+    moved = (lambda segment: sharding.offset(segment)) if sharding is not None else (lambda segment: 0)
+    lines = [(fixed + workspace + grow * p.a + moved(composition.order[i]), grow * p.b)
+             for p, i in zip(composition.peak, composition.peak_index)]
+    lines.append((fixed + workspace + grow * (composition.end.a + optimizer_temporary) + moved(("end",)),
+                  grow * composition.end.b))
     return lines
 
 
@@ -279,15 +310,24 @@ def largest_tokens(lines: list[tuple[float, float]], budget: int) -> int:
 
 
 def _breakdown(composition: Composition, t: int, weights: int, states: int, optimizer_temporary: int,
-               workspace: int) -> PeakParts:
-    """The peak at ``t`` tokens and its parts (gradients: allocations made in backward, never freed)."""
+               workspace: int, sharding: Any = None) -> PeakParts:
+    """The peak at ``t`` tokens and its parts (gradients: allocations made in backward, never freed;
+    ``sharding``: a rank's, tempo.plan.parallel)."""
+    grow = 1.0 + COMPOSITION_MARGIN
+    moved = (lambda segment: sharding.offset(segment)) if sharding is not None else (lambda segment: 0)
     values = [p.at(t) for p in composition.peak]
-    i = int(np.argmax(values))
+    # Which moment peaks, as _peak_lines ranks them (the engine's buffers move each segment).
+    ranked = [grow * v + moved(composition.order[k]) for v, k in zip(values, composition.peak_index)]
+    i = int(np.argmax(ranked))
     optimizer_peak = composition.end.at(t) + optimizer_temporary
-    if optimizer_peak >= values[i]:
+    if grow * optimizer_peak + moved(("end",)) >= ranked[i]:
         gradients = int(composition.end.at(t))
         margin = workspace + int(COMPOSITION_MARGIN * optimizer_peak)
-        return PeakParts(weights, gradients, states, 0, optimizer_temporary, margin, "the optimizer step", workspace)
+        if sharding is None:
+            return PeakParts(weights, gradients, states, 0, optimizer_temporary, margin, "the optimizer step",
+                             workspace)
+        return PeakParts(weights, gradients + sharding.gradient_change(("end",)), states, 0, optimizer_temporary,
+                         margin, "the optimizer step", workspace, sharding.buffers(("end",)))
     j = composition.peak_index[i]
     segment = composition.order[j]
     gradients = int(composition.gradients[j].at(t))
@@ -299,8 +339,11 @@ def _breakdown(composition: Composition, t: int, weights: int, states: int, opti
              else f"{where} {'before the blocks' if position == 0 else 'of the head and loss'}"
              if position is not None else where)
     margin = workspace + int(COMPOSITION_MARGIN * values[i])
-    return PeakParts(weights, gradients, states, int(start - gradients), int(values[i] - start), margin, label,
-                     workspace)
+    if sharding is None:
+        return PeakParts(weights, gradients, states, int(start - gradients), int(values[i] - start), margin, label,
+                         workspace)
+    return PeakParts(weights, gradients + sharding.gradient_change(segment), states, int(start - gradients),
+                     int(values[i] - start), margin, label, workspace, sharding.buffers(segment))
 
 
 @dataclass
@@ -329,30 +372,50 @@ class Counted:
     optimizer_seconds: Optional[float]
     gpu: Any
     seconds: float
+    sharding: Any = None  # tempo.plan.parallel.Sharding: counted per rank of a parallel engine
 
     def candidate(self, recompute: Sequence[str], budget: int, compiled: bool = False) -> Candidate:
         """``recompute`` at the most tokens ``budget`` holds (0 tokens: it does not fit)."""
         composition = compose(self.parts, recompute)
-        lines = _peak_lines(composition, self.weights + self.states, self.optimizer_temporary, self.workspace)
+        lines = _peak_lines(composition, self.weights + self.states, self.optimizer_temporary, self.workspace,
+                            self.sharding)
         most = largest_tokens(lines, budget)
         # The peak reported (PeakParts) is in whole bytes, a few below the lines' floats: a budget of
         # exactly the peak at t tokens leaves the lines a fraction of a token short of t.
         if _breakdown(composition, most + 1, self.weights, self.states, self.optimizer_temporary,
-                      self.workspace).total <= budget:
+                      self.workspace, self.sharding).total <= budget:
             most += 1
         t = (most // self.token_unit) * self.token_unit
         if t < self.floor_tokens <= most:  # one longest sequence fits, though not the next multiple
             t = self.floor_tokens
         if t < self.floor_tokens:
             return Candidate(tuple(recompute), 0, None, None)
-        peak = _breakdown(composition, t, self.weights, self.states, self.optimizer_temporary, self.workspace)
-        return Candidate(tuple(recompute), t, peak, self.step_seconds(recompute, t, compiled))
+        peak = _breakdown(composition, t, self.weights, self.states, self.optimizer_temporary, self.workspace,
+                          self.sharding)
+        seconds = self.step_seconds(recompute, t, compiled)
+        collectives = self.collective_seconds
+        if seconds is not None and collectives is not None:
+            seconds += collectives  # not overlapped: the conservative end (Plan.step_seconds_overlapped)
+        return Candidate(tuple(recompute), t, peak, seconds)
 
     def peak_at(self, recompute: Sequence[str], tokens: int) -> PeakParts:
         """The predicted peak of a step of ``tokens`` tokens with ``recompute`` (what a GPU check holds
         to torch.cuda.max_memory_allocated)."""
         composition = compose(self.parts, recompute)
-        return _breakdown(composition, tokens, self.weights, self.states, self.optimizer_temporary, self.workspace)
+        return _breakdown(composition, tokens, self.weights, self.states, self.optimizer_temporary, self.workspace,
+                          self.sharding)
+
+    @property
+    def world_size(self) -> int:
+        return self.sharding.world_size if self.sharding is not None else 1
+
+    @property
+    def collective_seconds(self) -> Optional[float]:
+        """The projected collectives of a step (tempo.plan.parallel), 0 for one process; None without
+        numbers for the device's interconnect."""
+        from tempo.plan.parallel import collective_seconds
+
+        return collective_seconds(self.sharding, self.gpu.name if self.gpu is not None else None)
 
     @property
     def token_unit(self) -> int:
@@ -384,8 +447,11 @@ class Counted:
 def count(model: nn.Module, lengths: Union[int, Sequence[int]] = 512, device: str = "h100", precision: str = "bf16",
           optimizer: str = "adamw", *, tempo: Union[bool, dict] = True, modes: Sequence[str] = MODES,
           loss: Callable[[Any], torch.Tensor] = default_loss,
-          progress: Optional[Callable[[str], None]] = None) -> Counted:
-    """Everything ``plan`` chooses from, counted on fake tensors (the module docstring's steps 1-3)."""
+          progress: Optional[Callable[[str], None]] = None, world_size: int = 1,
+          parallel: Optional[str] = None) -> Counted:
+    """Everything ``plan`` chooses from, counted on fake tensors (the module docstring's steps 1-3);
+    with ``parallel`` ("ddp", "fsdp2") over ``world_size`` processes, for one rank
+    (tempo.plan.parallel)."""
     started = time.perf_counter()
     say = progress or (lambda line: None)
     if not isinstance(model, nn.Module):
@@ -398,6 +464,9 @@ def count(model: nn.Module, lengths: Union[int, Sequence[int]] = 512, device: st
     unknown = [m for m in modes if m not in MODES]
     if unknown or "none" not in modes:
         raise PlanError(f"tempo.plan: argument 'modes' must hold 'none' and any of {MODES}, got {list(modes)}")
+    from tempo.plan.parallel import sharding as rank_sharding
+
+    shard = rank_sharding(model, parallel, world_size, target.round_to)
     limit = max_positions(model)
     sample = _lengths(lengths, limit)
 
@@ -429,9 +498,11 @@ def count(model: nn.Module, lengths: Union[int, Sequence[int]] = 512, device: st
     usable = [m for m in modes if m != "selective" or recomputed_parts(transformer_blocks(full_copy)[0])[0]]
     layout = probe_layout(usable)
 
-    weights = _round_total(model, target.round_to)
+    weights = _round_total(model, target.round_to) if shard is None else shard.weights
     say(f"counting the optimizer ({optimizer}) on fake tensors")
-    states, optimizer_temporary = optimizer_memory(model.parameters(), optimizer, target.semantics, target.round_to)
+    # FSDP2's optimizer steps over a rank's shards; DDP's over a whole replica.
+    owned = list(shard.shards if shard is not None and shard.engine == "fsdp2" else model.parameters())
+    states, optimizer_temporary = optimizer_memory(owned, optimizer, target.semantics, target.round_to)
     workspace = WORKSPACE_BYTES if target.semantics == "cuda" else 0
 
     autocast = PRECISIONS[precision]
@@ -459,8 +530,8 @@ def count(model: nn.Module, lengths: Union[int, Sequence[int]] = 512, device: st
                    options=options, swaps=swaps, left=left, blocks=blocks_total, unpadding=unpadding, seq_len=seq_len,
                    sample=sample, limit=limit, usable=usable, parts=parts, weights=weights, states=states,
                    optimizer_temporary=optimizer_temporary, workspace=workspace,
-                   optimizer_seconds=_optimizer_seconds(model, optimizer, gpu) if gpu is not None else None, gpu=gpu,
-                   seconds=time.perf_counter() - started)
+                   optimizer_seconds=_optimizer_seconds(owned, optimizer, gpu) if gpu is not None else None, gpu=gpu,
+                   seconds=time.perf_counter() - started, sharding=shard)
 
 
 def choose(counted: Counted, budget: Union[int, str, None], recompute_plans: Optional[list] = None,
@@ -490,21 +561,25 @@ def choose(counted: Counted, budget: Union[int, str, None], recompute_plans: Opt
                 unpadding=counted.unpadding, seq_len=counted.seq_len, tokens_per_step=best.tokens,
                 buckets=_buckets(counted.sample, best.tokens, counted.unpadding, counted.limit), peak=best.peak,
                 step_seconds=best.step_seconds, candidates=candidates,
-                seconds=counted.seconds + time.perf_counter() - started, tempo_options=counted.options)
+                seconds=counted.seconds + time.perf_counter() - started, tempo_options=counted.options,
+                world_size=counted.world_size, parallel=counted.sharding.engine if counted.sharding else None,
+                collective_seconds=counted.collective_seconds)
 
 
 def plan(model: nn.Module, budget: Union[int, str, None] = "24GiB", lengths: Union[int, Sequence[int]] = 512,
          device: str = "h100", precision: str = "bf16", optimizer: str = "adamw", *,
          tempo: Union[bool, dict] = True, modes: Sequence[str] = MODES, loss: Callable[[Any], torch.Tensor] = default_loss,
-         progress: Optional[Callable[[str], None]] = None) -> Plan:
+         progress: Optional[Callable[[str], None]] = None, world_size: int = 1,
+         parallel: Optional[str] = None) -> Plan:
     """The plan for ``model`` (module docstring). ``tempo``: True (apply_tempo's default choice), a dict
     of apply_tempo's keyword arguments, or False (the model as it is: what torch alone gives, for
     comparisons); ``modes``: the recompute modes the plan may use; ``progress``: called with a short
-    line at each stage."""
+    line at each stage; ``world_size`` and ``parallel`` ("ddp" or "fsdp2"): the plan of one rank of
+    that many processes (tempo.plan.parallel: tokens per rank, ``tokens_per_global_step``)."""
     if budget is not None:
         parse_budget(budget)  # a bad budget is refused before anything is counted
     counted = count(model, lengths, device, precision, optimizer, tempo=tempo, modes=modes, loss=loss,
-                    progress=progress)
+                    progress=progress, world_size=world_size, parallel=parallel)
     if progress is not None:
         progress(f"choosing among {len(recompute_candidates(counted.blocks, counted.usable))} recompute plans")
     return choose(counted, budget)
@@ -521,11 +596,11 @@ def _round_total(model: nn.Module, round_to: int) -> int:
     return total
 
 
-def _optimizer_seconds(model: nn.Module, optimizer: str, gpu: Any) -> float:
-    """The optimizer step as one pass over parameters, gradients and states at the fitted bandwidth:
-    AdamW/LAMB read 16 and write 12 bytes per fp32 parameter (tempo.movement's adam_update), SGD with
-    momentum 12 and 8."""
-    params = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+def _optimizer_seconds(parameters: Any, optimizer: str, gpu: Any) -> float:
+    """The optimizer step as one pass over ``parameters`` (a rank's), their gradients and states at
+    the fitted bandwidth: AdamW/LAMB read 16 and write 12 bytes per fp32 parameter
+    (tempo.movement's adam_update), SGD with momentum 12 and 8."""
+    params = sum(p.numel() for p in {id(p): p for p in parameters if p.requires_grad}.values())
     per = 20 if optimizer == "sgd" else 28
     return per * params / (FITTED_BANDWIDTH * gpu.bandwidth_gbs * 1e9)
 

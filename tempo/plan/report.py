@@ -28,11 +28,15 @@ def format_plan(plan: Any) -> str:
     ]
     if plan.left_stock:
         lines.append(f"  left stock:        {'; '.join(plan.left_stock)}")
+    if plan.parallel is not None:
+        lines.append(f"  parallel:          {plan.parallel} over {plan.world_size} GPUs, planned per rank "
+                     f"(tempo.plan.parallel: each rank's batch, its shards and the engine's buffers)")
     lines += [
         f"  recompute:         {_recompute_line(plan.recompute)}",
         f"  unpadding:         {'yes: padding-free batches, memory per real token' if plan.unpadding else 'no: counted at the padded length'}"
         f" (counted at s = {plan.seq_len})",
-        f"  tokens per step:   {plan.tokens_per_step:,}" + (" real tokens" if plan.unpadding else " padded tokens"),
+        f"  tokens per step:   {plan.tokens_per_step:,}" + (" real tokens" if plan.unpadding else " padded tokens")
+        + (f" per GPU, {plan.tokens_per_global_step:,} per step over {plan.world_size} GPUs" if plan.parallel else ""),
     ]
     for padded, fraction, sequences in plan.buckets:
         lines.append(f"    sequences up to {padded:5d} tokens ({fraction:4.0%} of the sample): {sequences:,} per step")
@@ -45,7 +49,17 @@ def format_plan(plan: Any) -> str:
         f"    transient          {format_bytes(p.transient):>12} {share(p.transient)}",
         f"    workspace margin   {format_bytes(p.workspace):>12} {share(p.workspace)}",
     ]
-    if plan.step_seconds:
+    if plan.parallel is not None:
+        lines.append(f"    engine buffers     {format_bytes(p.buffers):>12} {share(p.buffers)}"
+                     + ("  (gradient buckets)" if plan.parallel == "ddp" else "  (unsharded parameters, collectives)"))
+    if plan.step_seconds and plan.parallel is not None and plan.collective_seconds is not None:
+        overlapped = plan.step_seconds_overlapped
+        lines.append(f"  projected step:    {overlapped * 1e3:.1f}-{plan.step_seconds * 1e3:.1f} ms per step "
+                     f"({plan.collective_seconds * 1e3:.1f} ms of collectives at tempo.plan.parallel.INTERCONNECT's "
+                     f"bandwidth, hidden to not hidden), {plan.tokens_per_global_step / plan.step_seconds:,.0f}-"
+                     f"{plan.tokens_per_global_step / overlapped:,.0f} real tokens/s over {plan.world_size} GPUs "
+                     f"(a projection)")
+    elif plan.step_seconds:
         lines.append(f"  projected step:    {plan.step_seconds * 1e3:.1f} ms, {plan.tokens_per_second:,.0f} real tokens/s "
                      f"(a projection: tempo.movement's roofline, recompute included)")
     else:
