@@ -215,3 +215,30 @@ def test_the_rank_peak_holds_within_its_band_on_two_processes(family, head, engi
     for rank, predicted, counted in rows:
         ratio = int(predicted) / int(counted)
         assert 1.0 <= ratio <= 1.05, f"rank {rank}: predicted {predicted}, counted {counted}: {ratio:.4f}"
+
+
+def test_live_storages_count_a_storage_resized_in_the_step():
+    """FSDP2 allocates and frees unsharded parameters with ``UntypedStorage.resize_``, which no
+    dispatch mode sees: the counter adds each resize when it is made, gives back no more than it
+    counted of a storage from before the step, and restores resize_ when it exits."""
+    from tempo.plan.live import LiveStorages
+
+    before = torch.empty(0)  # alive before the step, not counted
+    original = torch.UntypedStorage.resize_
+    counter = LiveStorages([])
+    with counter:
+        before.untyped_storage().resize_(4096)  # +4096
+        made = torch.empty(256)  # +1024
+        before.untyped_storage().resize_(0)  # -4096
+        made.untyped_storage().resize_(0)  # -1024
+        del made
+        kept = torch.empty(0)
+        kept.untyped_storage().resize_(2048)  # +2048 (peak 5120 before, 2048 now)
+    assert torch.UntypedStorage.resize_ is original
+    assert counter.peak() == 5120
+    old = torch.empty(100)
+    counter = LiveStorages([])
+    with counter:
+        old.untyped_storage().resize_(0)  # from before the step, not counted: gives back nothing
+        torch.empty(10)
+    assert counter.peak() == 40
