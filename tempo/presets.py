@@ -71,11 +71,11 @@ FAMILIES = {
     # meta-llama/Llama-3.2-1B: RMSNorm, SwiGLU, 32 heads of 64 over 8 kv heads.
     "llama-3.2-1b": ("Llama-3.2-1B (h=2048)", "LlamaConfig", dict(
         hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
-        max_position_embeddings=131072)),
+        max_position_embeddings=131072, tie_word_embeddings=True)),  # the head is the embeddings, as published
     # Qwen/Qwen3-0.6B: RMSNorm with q/k norms, SwiGLU, 16 heads of 128 over 8 kv heads.
     "qwen3-0.6b": ("Qwen3-0.6B (h=1024)", "Qwen3Config", dict(
         hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
-        max_position_embeddings=40960)),
+        max_position_embeddings=40960, tie_word_embeddings=True)),
 }
 # (published layers, vocabulary) of each family: what a whole model of the family is built with.
 FAMILY_DEPTH = {"bert-large": (24, 30522), "minilm": (6, 30522), "deberta-v3-large": (24, 128100),

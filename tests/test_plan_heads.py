@@ -12,13 +12,14 @@ from tempo.plan import plan  # noqa: E402
 from tempo.presets import build_family  # noqa: E402
 
 
-def test_qwen3_as_a_causal_lm_fits_three_times_the_tokens_with_the_fused_head():
+def test_qwen3_as_a_causal_lm_fits_more_than_twice_the_tokens_with_the_fused_head():
     """Issue 41's target: Qwen3-0.6B, s = 2048, 24 GiB, H100, bf16, AdamW: >= 12,288 tokens per step
-    (4,096 with the stock head and loss, which hold [tokens, 151,936] logits and their fp32 copy)."""
+    (6,144 with the stock head and loss, which hold [tokens, 151,936] logits and their fp32 copy;
+    4,096 when the preset did not tie the head to the embeddings as the published model does)."""
     model = build_family("qwen3-0.6b", "causal-lm")
     fused = plan(model, budget="24GiB", lengths=2048, device="h100")
     stock = plan(model, budget="24GiB", lengths=2048, device="h100", tempo={"lm_loss": False})
-    assert fused.tokens_per_step >= 12_288 and stock.tokens_per_step <= 4_096
+    assert fused.tokens_per_step >= 12_288 and stock.tokens_per_step <= 6_144
     assert fused.peak_bytes <= 24 * 2**30 and stock.peak.at == "backward of the head and loss"
 
 
