@@ -242,3 +242,16 @@ def test_live_storages_count_a_storage_resized_in_the_step():
         old.untyped_storage().resize_(0)  # from before the step, not counted: gives back nothing
         torch.empty(10)
     assert counter.peak() == 40
+
+
+def test_the_per_rank_table_has_a_row_per_budget_and_fits_more_with_fsdp2():
+    from tempo.plan.parallel import format_table, table
+
+    records = table(rows=(("minilm", "mlm", 128, "fsdp2"),), budgets=(1, 2), gpus=4)
+    assert [r["budget_gib"] for r in records] == [1, 2]
+    for r in records:
+        assert r["rank"]["tokens_per_step"] == 4 * r["rank"]["tokens_per_gpu"]
+        assert r["rank"]["tokens_per_gpu"] >= r["one"]["tokens_per_gpu"]
+        assert r["rank"]["peak_bytes"] <= r["budget_gib"] * 2**30
+    text = format_table(records)
+    assert text.count("| minilm mlm, 128, fsdp2 x 4 |") == 2
