@@ -71,6 +71,7 @@ from tempo.train.runtime import (
     run_main,
     seed_everything,
     setup_runtime,
+    shard_fsdp2,
     sum_over_ranks,
     teardown_runtime,
     wrap_ddp,
@@ -134,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Beyond DLE.
     p.add_argument("--synthetic_data", action="store_true", help="random batches (benchmarks), no input_dir")
     p.add_argument("--optimizer", choices=["lamb", "adamw", "adamw_fused"], default="lamb")
+    p.add_argument("--parallel", choices=["ddp", "fsdp2"], default="ddp",
+                   help="under torchrun: ddp (a replica per GPU) or fsdp2 (fully_shard per block and the root; "
+                        "checkpoints sharded through torch.distributed.checkpoint, resumable at any world size)")
     p.add_argument("--weight_decay", type=non_negative_number, default=0.01)
     p.add_argument("--no_cuda", action="store_true", help="train on the CPU even when a GPU is present")
     p.add_argument("--warmup_steps_excluded", type=non_negative_int, default=None,
@@ -173,6 +177,9 @@ def validate_args(args: argparse.Namespace, config: Any) -> None:
         if vocab_size > config.vocab_size:
             raise UsageError(f"--vocab_file {args.vocab_file} has {vocab_size} tokens, more than "
                              f"vocab_size {config.vocab_size} in {args.config_file}")
+    if args.parallel == "fsdp2" and "WORLD_SIZE" not in os.environ:
+        raise UsageError("--parallel fsdp2 needs torchrun (torchrun --nproc_per_node N run_pretraining.py ...): "
+                         "FSDP2 shards over a process group")
     if args.init_checkpoint and not os.path.exists(args.init_checkpoint):
         raise UsageError(f"--init_checkpoint {args.init_checkpoint!r} does not exist")
     check_model_fits(config, args.config_file, torch.device("cpu") if args.no_cuda else None)
@@ -256,7 +263,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     config = BertConfig.from_json_file(args.config_file).with_gelu(args.gelu_approximate)
     validate_args(args, config)
     precision = precision_from_flags(args.fp16, args.bf16, args.tf32)
-    rt = setup_runtime(args.local_rank, force_cpu=args.no_cuda)
+    rt = setup_runtime(args.local_rank, force_cpu=args.no_cuda, group=args.parallel == "fsdp2")
     try:
         return _train(args, config, precision, rt)
     finally:
@@ -297,6 +304,11 @@ def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
     """Model, optimizer, schedule and data, restored from a checkpoint when asked."""
     model = BertForPreTraining(config, choice, checkpoint_activations=args.checkpoint_activations,
                                unpad=args.unpad).to(rt.device)
+    if args.max_tokens == "auto":  # planned as the model will run: its parameters whole, before sharding
+        _plan_max_tokens(args, model, rt, precision)
+    fsdp2 = args.parallel == "fsdp2"
+    if fsdp2:
+        shard_fsdp2(model)  # before the optimizer: it steps over the shards
     optimizer = make_optimizer(args.optimizer, bert_param_groups(model, args.weight_decay), lr=args.learning_rate)
 
     def new_schedule() -> Any:
@@ -304,10 +316,8 @@ def _build(args, config, precision, rt, choice) -> tuple[Any, ...]:
                                    base_lr=args.learning_rate)
 
     scheduler = new_schedule()
-    if args.max_tokens == "auto":
-        _plan_max_tokens(args, model, rt, precision)
     train_step = TrainStep(model, optimizer, pretraining_loss, precision, rt.device, scheduler=scheduler,
-                           max_grad_norm=args.max_grad_norm, train_model=wrap_ddp(model, rt),
+                           max_grad_norm=args.max_grad_norm, train_model=model if fsdp2 else wrap_ddp(model, rt),
                            distributed=rt.distributed, track=("mlm_loss",), on_nonfinite=args.on_nonfinite,
                            log=lambda message: rt.is_main and print(f"{PROG}: warning: {message}", file=sys.stderr))
     batches = make_batches(args, config, rt)
@@ -330,7 +340,8 @@ def _plan_max_tokens(args: argparse.Namespace, model: torch.nn.Module, rt: Runti
     from tempo.bert.data.pretraining_dataset import shard_lengths
 
     args.max_tokens = planned_max_tokens(model, shard_lengths(list_shards(args.input_dir)[0]), rt.device, precision,
-                                         args.optimizer, args.memory_budget)
+                                         args.optimizer, args.memory_budget, world_size=rt.world_size,
+                                         parallel=args.parallel if rt.distributed else None)
     check_max_tokens(args, args.max_seq_length)
     if rt.is_main:
         print(f"{PROG}: --max_tokens auto: {args.max_tokens} tokens per micro-batch (tempo.plan)")
@@ -366,7 +377,8 @@ def _train(args: argparse.Namespace, config: BertConfig, precision: str, rt: Run
     step_offset = args.phase1_end_step if args.phase2 else 0  # checkpoint numbering, as DLE
 
     def checkpoint(step_now: int) -> None:
-        if args.skip_checkpoint or not rt.is_main:
+        # FSDP2: every rank writes its shards (tempo.train.checkpointing); otherwise rank 0 alone.
+        if args.skip_checkpoint or not (rt.is_main or args.parallel == "fsdp2"):
             return
         save_checkpoint(args.output_dir, step_offset + step_now, model, optimizer, scheduler, train_step.scaler,
                         data_state=batches.state_dict(),

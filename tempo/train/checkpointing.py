@@ -14,6 +14,13 @@ always complete; leftovers of a killed save are never picked up.
 
 Save from one process only (rank 0 under DDP); every rank may load.
 
+A model sharded by FSDP2 (``fully_shard``: its parameters are DTensors) is saved by every rank
+together: its weights and optimizer state through ``torch.distributed.checkpoint`` (each rank
+writes its shards) into ``sharded/`` in place of model.safetensors, the rest by rank 0 as above,
+the rename after all ranks have written. It loads into the model sharded over any number of
+processes (torch.distributed.checkpoint reshards); a checkpoint of one layout is refused, in one
+line, by a run of the other.
+
 No checkpoint holds a NaN/inf: ``save_checkpoint`` checks every floating tensor of the model and
 of the optimizer state first (one reduction per tensor, one host read in all) and refuses with
 ``NonFiniteCheckpointError`` naming the first bad tensor, writing nothing and deleting nothing
@@ -70,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
+SHARDED_DIR = "sharded"  # torch.distributed.checkpoint's files of an FSDP2 model and its optimizer
 STATE_FILE = "training_state.pt"
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -109,7 +117,9 @@ def nonfinite_tensors(model: nn.Module | None = None, optimizer: torch.optim.Opt
             for key, value in group.items():
                 if key != "params" and torch.is_tensor(value):
                     named.append((f"optimizer group {g} {key!r}", value))
-    floating = [(name, t.detach()) for name, t in named if t.is_floating_point() and t.numel() > 0]
+    # A DTensor (FSDP2) is checked on this rank's shard: the caller combines the ranks' answers.
+    floating = [(name, _local(t.detach())) for name, t in named if t.is_floating_point() and t.numel() > 0]
+    floating = [(name, t) for name, t in floating if t.numel() > 0]
     if not floating:
         return []
     flags_by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -126,6 +136,15 @@ def nonfinite_tensors(model: nn.Module | None = None, optimizer: torch.optim.Opt
         bad += [name for name, good in zip(order[device], ok) if not good]
     position = {name: i for i, (name, _) in enumerate(floating)}
     return sorted(bad, key=position.get)[:limit]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are DTensors (FSDP2's ``fully_shard``)."""
+    return any(hasattr(p, "to_local") and hasattr(p, "placements") for p in unwrap_model(model).parameters())
 
 
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -251,7 +270,8 @@ def _checkpoint_root(output_dir: str | os.PathLike) -> Path:
 
 
 def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in (MODEL_FILE, STATE_FILE, META_FILE))
+    weights = (path / MODEL_FILE).is_file() or (path / SHARDED_DIR / ".metadata").is_file()
+    return weights and all((path / name).is_file() for name in (STATE_FILE, META_FILE))
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -310,7 +330,10 @@ def save_checkpoint(
     step = int(step)
     if step < 0:
         raise ValueError(f"step must be non-negative, got {step}")
+    sharded = is_sharded(model)
     bad = nonfinite_tensors(model, optimizer)
+    if sharded:  # every rank refuses together (each checked its own shards)
+        bad = _any_rank(bad)
     if bad:
         raise NonFiniteCheckpointError(
             f"refusing to write checkpoint step {step} to {_checkpoint_root(output_dir)}: {bad[0]} holds NaN/inf"
@@ -340,6 +363,9 @@ def save_checkpoint(
         "rng": capture_rng_state(),
     }
 
+    if sharded:
+        training_state["optimizer"] = None  # in sharded/, with the weights
+        return _save_sharded(root, final, step, model, optimizer, training_state, output_dir, keep, config, options)
     tmp = root / f".ckpt_{step}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     replaced = None
@@ -349,21 +375,7 @@ def save_checkpoint(
             torch.save(training_state, f)
             f.flush()
             os.fsync(f.fileno())
-        now = time.time()
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "time": now,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-            "config": config,
-            "options": options,
-            "git_commit": git_commit()["commit"],
-            "torch_version": torch.__version__,
-            "python_version": platform.python_version(),
-            "finite": True,  # checked above: rotation never deletes the newest such checkpoint
-            # Sizes let load_checkpoint tell a truncated file from a corrupt one.
-            "file_sizes": {name: (tmp / name).stat().st_size for name in (MODEL_FILE, STATE_FILE)},
-        }
+        meta = _meta(step, config, options, {name: (tmp / name).stat().st_size for name in (MODEL_FILE, STATE_FILE)})
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, default=_json_default)
             f.flush()
@@ -387,6 +399,115 @@ def save_checkpoint(
     _prune(root, output_dir, keep, final)
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def _any_rank(bad: list[str]) -> list[str]:
+    """This rank's non-finite tensors, or a line saying another rank found some (one all-reduce)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if bad else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bad or (["a shard on another rank"] if int(flag) else [])
+
+
+def _meta(step: int, config: Any, options: Any, files: dict, **more: Any) -> dict:
+    now = time.time()
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "time": now,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "config": config,
+        "options": options,
+        "git_commit": git_commit()["commit"],
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "finite": True,  # checked before writing: rotation never deletes the newest such checkpoint
+        # Sizes let load_checkpoint tell a truncated file from a corrupt one.
+        "file_sizes": files,
+        **more,
+    }
+
+
+def _save_sharded(root: Path, final: Path, step: int, model: nn.Module, optimizer: Any, training_state: dict,
+                  output_dir: Any, keep: int | None, config: Any, options: Any) -> Path:
+    """Every rank writes its shards into one temporary directory (rank 0 names it), rank 0 the
+    training state and meta.json; after a barrier rank 0 renames it into place (module docstring)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    rank = dist.get_rank()
+    name = [f".ckpt_{step}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    tmp = root / name[0]
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    failed = torch.tensor([0])
+    try:
+        dcp.save(state, checkpoint_id=str(tmp / SHARDED_DIR))
+        if rank == 0:
+            with open(tmp / STATE_FILE, "wb") as f:
+                torch.save(training_state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            meta = _meta(step, config, options, {STATE_FILE: (tmp / STATE_FILE).stat().st_size},
+                         parallel="fsdp2", world_size=dist.get_world_size())
+            with open(tmp / META_FILE, "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=2, default=_json_default)
+                f.flush()
+                os.fsync(f.fileno())
+            for folder in (tmp / SHARDED_DIR, tmp):
+                _fsync_path(folder)
+    except BaseException:
+        failed += 1
+        dist.all_reduce(failed)  # the other ranks learn of it at the barrier below
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.all_reduce(failed)  # every rank has written (or one failed: nothing is renamed)
+    if int(failed):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint step {step}: another rank failed to write its shards into {tmp}")
+    if rank == 0:
+        replaced = None
+        if final.exists():
+            replaced = root / f".ckpt_{step}.tmp-old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, replaced)
+        os.replace(tmp, final)
+        _fsync_path(root)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        _prune(root, output_dir, keep, final)
+        logger.info("saved sharded checkpoint %s", final)
+    dist.barrier()  # no rank goes on (and may load) before the checkpoint is in place
+    return final
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer: Any) -> None:
+    """The weights and optimizer state of a sharded checkpoint into ``model`` sharded over this
+    run's processes (any number: torch.distributed.checkpoint reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(path / SHARDED_DIR))
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        # Its text holds each rank's traceback: the first line naming an error says what.
+        lines = [line.strip() for line in str(err).splitlines() if re.match(r"^\s*\w+(Error|Exception): ", line)]
+        first = (lines[0] if lines else str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+        raise CheckpointError(f"{path / SHARDED_DIR} does not fit this model: {first[:300]}") from err
 
 
 def _save_model_file(model: nn.Module, path: Path) -> None:
@@ -428,7 +549,8 @@ def _prune(root: Path, output_dir, keep: int | None, newest: Path) -> None:
 def _check_files(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    for name in (MODEL_FILE, STATE_FILE, META_FILE):
+    weights = SHARDED_DIR + "/.metadata" if (path / SHARDED_DIR).is_dir() else MODEL_FILE
+    for name in (weights, STATE_FILE, META_FILE):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {path / name} is missing")
     try:
@@ -497,13 +619,21 @@ def load_checkpoint(
     state_file = path / STATE_FILE
     state = _load_training_state(state_file, map_location)
 
+    written_sharded, sharded = (path / SHARDED_DIR).is_dir(), is_sharded(model)
+    if written_sharded != sharded:
+        how = ("by an FSDP2 run (--parallel fsdp2): resume it with --parallel fsdp2, at any number of processes"
+               if written_sharded else "by one process or DDP: resume it without --parallel fsdp2")
+        raise CheckpointError(f"checkpoint {path} was written {how}")
     for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
-        if obj is not None and state.get(name) is None:
+        if obj is not None and state.get(name) is None and not (name == "optimizer" and sharded):
             raise CheckpointError(f"{state_file} has no {name} state; pass {name}=None to skip it")
 
-    load_model_weights(path, model)
+    if sharded:
+        _load_sharded(path, model, optimizer)
+    else:
+        load_model_weights(path, model)
     try:
-        if optimizer is not None:
+        if optimizer is not None and not sharded:
             optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])

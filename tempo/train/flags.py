@@ -174,20 +174,23 @@ def _planner():
     return plan
 
 
-def planned_max_tokens(model, lengths, device, precision: str, optimizer: str, budget: str | None = None) -> int:
+def planned_max_tokens(model, lengths, device, precision: str, optimizer: str, budget: str | None = None,
+                       world_size: int = 1, parallel: str | None = None) -> int:
     """--max_tokens auto: the planner's tokens per step for this run; the trainers' one call site of
     tempo.plan. The run's terms become the planner's: ``device`` (a torch.device) its kind, "cuda" (the
     current GPU; without ``budget`` (--memory_budget) the planner's default share of its memory) or
     "cpu" (a budget is needed); ``precision`` tf32 counts as fp32; ``optimizer`` adamw_fused is
     "adamw-fused". ``lengths``: a sample of the data's sequence lengths. The model is planned as it
     will run (its Tempo layers are the --tempo flags', not apply_tempo's). The planner's own refusal
-    (its PlanError) becomes one line."""
+    (its PlanError) becomes one line. ``world_size`` and ``parallel`` ("ddp", "fsdp2"): planned per
+    rank (tempo.plan.parallel)."""
     plan = _planner()
     try:
         tokens = plan.tokens_per_step(model, budget=budget, lengths=lengths,
                                       device="cuda" if device.type == "cuda" else "cpu",
                                       precision="fp32" if precision == "tf32" else precision,
-                                      optimizer=optimizer.replace("_", "-"), tempo=False)
+                                      optimizer=optimizer.replace("_", "-"), tempo=False,
+                                      **({"world_size": world_size, "parallel": parallel} if parallel else {}))
     except getattr(plan, "PlanError", ()) as exc:
         raise UsageError(f"--max_tokens auto: {exc}") from None
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:

@@ -243,7 +243,7 @@ def cpu_threads_for_training(local_ranks: int = 1, log: Callable[[str], None] | 
     return governor, governor.line
 
 
-def setup_runtime(local_rank_flag: int = -1, force_cpu: bool = False) -> Runtime:
+def setup_runtime(local_rank_flag: int = -1, force_cpu: bool = False, group: bool = False) -> Runtime:
     """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and start DDP if needed.
 
     NCCL on GPUs, gloo on CPUs. ``--local_rank`` (DLE's flag, from torch.distributed.launch) is
@@ -261,7 +261,8 @@ def setup_runtime(local_rank_flag: int = -1, force_cpu: bool = False) -> Runtime
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
+    # ``group``: a process group even for one process (FSDP2 shards over one; torchrun set it up).
+    if (world_size > 1 or group) and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rt = Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank)
     if not use_cuda:
@@ -273,7 +274,7 @@ def setup_runtime(local_rank_flag: int = -1, force_cpu: bool = False) -> Runtime
 
 
 def teardown_runtime(rt: Runtime) -> None:
-    if rt.distributed and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
     if rt.cpu_threads is not None:  # in-process callers (tests, notebooks) get their threads back
         rt.cpu_threads.restore()
@@ -364,6 +365,15 @@ def wrap_ddp(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+
+
+def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` on each Transformer block, then on the root (--parallel fsdp2), in place,
+    before the optimizer is made: it steps over the shards. As tempo.plan's ``parallel="fsdp2"``
+    counts it (tempo.plan.parallel.wrap)."""
+    from tempo.plan.parallel import wrap
+
+    return wrap(model, "fsdp2")
 
 
 def mean_over_ranks(value: torch.Tensor, rt: Runtime) -> float:

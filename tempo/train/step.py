@@ -160,6 +160,8 @@ class TrainStep:
         sync = contextlib.nullcontext()
         if self.distributed and not last and hasattr(self.train_model, "no_sync"):
             sync = self.train_model.no_sync()  # all-reduce once per step, after the last micro-batch
+        if hasattr(self.train_model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter once per step
+            self.train_model.set_requires_gradient_sync(last)
         with sync:
             with ledger, autocast_context(self.precision, self.device):
                 out = self.loss_fn(self.train_model, batch)
