@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_token_budget import _steps, data, run_torchrun  # noqa: F401 - data is a fixture
+from test_token_budget import _steps, data, run_torchrun  # noqa: F401,F811 - data is a fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
