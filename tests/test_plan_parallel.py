@@ -223,8 +223,9 @@ def test_the_rank_peak_holds_within_its_band_on_two_processes(family, head, engi
 
 def test_live_storages_count_a_storage_resized_in_the_step():
     """FSDP2 allocates and frees unsharded parameters with ``UntypedStorage.resize_``, which no
-    dispatch mode sees: the counter adds each resize when it is made, gives back no more than it
-    counted of a storage from before the step, and restores resize_ when it exits."""
+    dispatch mode sees: the counter adds each resize when it is made, a storage's freeing gives
+    back what it holds then (not what it was made with), a storage from before the step gives back
+    no more than was counted of it, a baseline one what it held; resize_ is restored on exit."""
     from tempo.plan.live import LiveStorages
 
     before = torch.empty(0)  # alive before the step, not counted
@@ -232,20 +233,32 @@ def test_live_storages_count_a_storage_resized_in_the_step():
     counter = LiveStorages([])
     with counter:
         before.untyped_storage().resize_(4096)  # +4096
-        made = torch.empty(256)  # +1024
-        before.untyped_storage().resize_(0)  # -4096
-        made.untyped_storage().resize_(0)  # -1024
-        del made
-        kept = torch.empty(0)
-        kept.untyped_storage().resize_(2048)  # +2048 (peak 5120 before, 2048 now)
+        made = torch.empty(256)  # +1024: 5120
+        before.untyped_storage().resize_(0)  # -4096: 1024
+        made.untyped_storage().resize_(0)  # -1024: 0
+        del made  # holds nothing now: gives back nothing
+        big = torch.empty(2048)  # +8192: the peak, 8192
+        del big
     assert torch.UntypedStorage.resize_ is original
-    assert counter.peak() == 5120
+    assert counter.peak() == 8192
     old = torch.empty(100)
     counter = LiveStorages([])
     with counter:
         old.untyped_storage().resize_(0)  # from before the step, not counted: gives back nothing
         torch.empty(10)
     assert counter.peak() == 40
+    base = torch.empty(100)  # 400 bytes, counted
+    counter = LiveStorages([base])
+    with counter:
+        base.untyped_storage().resize_(0)  # gives its 400 bytes back
+        torch.empty(100)  # 400 again
+    assert counter.peak() == 400
+    counter = LiveStorages([])
+    with counter:
+        with counter:  # entered again inside itself (a custom op measured inside)
+            pass
+        assert torch.UntypedStorage.resize_ is not original  # still counting
+    assert torch.UntypedStorage.resize_ is original
 
 
 def test_the_per_rank_table_has_a_row_per_budget_and_fits_more_with_fsdp2():
