@@ -82,7 +82,7 @@ FIRST = {
     "tempo/integrations/lm_loss.py": ["test_linear_cross_entropy.py", "test_plan_heads.py"],
     "tempo/plan/live.py": ["test_plan_parallel.py", "test_plan_band.py", "test_plan_confirm.py", "test_plan_heads.py"],
     "tempo/plan/parallel.py": ["test_plan_parallel.py"],
-    "tempo/train/checkpointing.py": ["test_checkpointing.py"],
+    "tempo/train/checkpointing.py": ["test_checkpointing.py", "test_fsdp2_in_process.py"],
     "tempo/plan/probe.py": ["test_plan_heads.py", "test_plan.py", "test_plan_band.py"],
     "tempo/plan/trace.py": ["test_plan_heads.py", "test_plan.py", "test_plan_contracts.py"],
     "tempo/plan/cli.py": ["test_plan_heads.py", "test_cli_numbers.py", "test_plan.py"],
