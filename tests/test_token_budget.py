@@ -745,3 +745,22 @@ def test_report_runs_quickly_on_tiny_data(capsys):
     table = capsys.readouterr().out
     for needle in ("| Wikipedia-like | 512 |", "| SQuAD-like | 384 |", "padded to S", "real tokens, pack"):
         assert needle in table
+
+
+def test_max_tokens_auto_plans_one_process_without_an_engine(data, tmp_path, monkeypatch, capsys):
+    """One process (no torchrun) runs no DDP and no FSDP2: --max_tokens auto plans it so (world size 1,
+    no engine: DDP's buckets would cost tokens it does not spend), whatever --parallel says."""
+    import tempo.tasks.pretrain as pretrain
+
+    calls = []
+    real = pretrain.planned_max_tokens
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pretrain, "planned_max_tokens", recording)
+    assert pretrain.main(_pretrain_args(data, tmp_path / "auto", "--max_tokens", "auto", "--memory_budget", "8MiB",
+                                        "--parallel", "ddp", steps=1)) == 0
+    assert len(calls) == 1 and calls[0]["world_size"] == 1 and calls[0]["parallel"] is None
+    assert "--max_tokens auto:" in capsys.readouterr().out
