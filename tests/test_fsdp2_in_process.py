@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tempo.integrations.recompute import fully_shard_blocks
 from tempo.train.checkpointing import (
     CheckpointError,
     NonFiniteCheckpointError,
@@ -37,15 +38,11 @@ def one_rank_group(tmp_path):
 
 def _sharded_bert(seed: int):
     import transformers
-    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     config = transformers.BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      vocab_size=50, max_position_embeddings=16)
-    model = transformers.BertForMaskedLM(config)
-    for layer in model.bert.encoder.layer:
-        fully_shard(layer)
-    fully_shard(model)
+    model = fully_shard_blocks(transformers.BertForMaskedLM(config))
     optimizer = Lamb(bert_param_groups(model), lr=1e-3)
     return model, optimizer
 
@@ -109,14 +106,10 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_in_one_line(one_rank_g
     model, optimizer = _sharded_bert(0)
     path = save_checkpoint(tmp_path / "out", 1, model)
     import transformers
-    from torch.distributed.fsdp import fully_shard
 
     config = transformers.BertConfig(hidden_size=24, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      vocab_size=50, max_position_embeddings=16)
-    wider = transformers.BertForMaskedLM(config)
-    for layer in wider.bert.encoder.layer:
-        fully_shard(layer)
-    fully_shard(wider)
+    wider = fully_shard_blocks(transformers.BertForMaskedLM(config))
     with pytest.raises(CheckpointError, match="sharded does not fit this model: .*Size mismatch") as err:
         load_checkpoint(path, wider, restore_rng=False)
     assert "\n" not in str(err.value)

@@ -263,7 +263,7 @@ def test_live_storages_count_a_storage_resized_in_the_step():
 
 
 def test_the_per_rank_table_has_a_row_per_budget_and_fits_more_with_fsdp2():
-    from tempo.plan.parallel import format_table, table
+    from tempo.plan.rank_table import format_table, table
 
     records = table(rows=(("minilm", "mlm", 128, "fsdp2"),), budgets=(1, 2), gpus=4)
     assert [r["budget_gib"] for r in records] == [1, 2]

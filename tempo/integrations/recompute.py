@@ -454,5 +454,17 @@ def apply_recompute(model: nn.Module, modes: list[str], blocks: Optional[nn.Modu
     return model
 
 
-__all__ = ["MODES", "RecomputedBlock", "apply_recompute", "recompute_of", "recomputed_class", "recomputed_parts",
+
+def fully_shard_blocks(model: nn.Module, **kwargs) -> nn.Module:
+    """FSDP2 as Tempo plans and trains it: ``fully_shard`` on each Transformer block, then on the
+    root, in place (an initialized process group needed; ``kwargs`` go to fully_shard)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+__all__ = ["MODES", "RecomputedBlock", "apply_recompute", "fully_shard_blocks", "recompute_of", "recomputed_class", "recomputed_parts",
            "remove_recompute", "set_recompute", "transformer_blocks"]

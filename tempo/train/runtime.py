@@ -371,9 +371,9 @@ def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
     """``fully_shard`` on each Transformer block, then on the root (--parallel fsdp2), in place,
     before the optimizer is made: it steps over the shards. As tempo.plan's ``parallel="fsdp2"``
     counts it (tempo.plan.parallel.wrap)."""
-    from tempo.plan.parallel import wrap
+    from tempo.integrations.recompute import fully_shard_blocks
 
-    return wrap(model, "fsdp2")
+    return fully_shard_blocks(model)
 
 
 def mean_over_ranks(value: torch.Tensor, rt: Runtime) -> float:
